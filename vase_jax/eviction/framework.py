@@ -1,0 +1,110 @@
+"""The periodic fixed-budget eviction framework (spec section 2), run inside the compiled decode loop.
+
+After each decode step, with `n` the real tokens held by the longest row (the reference's `cur_len`):
+
+    if n > N and n % B == 0:                      # N = budget, B = buffer
+        candidates = slots [0, length - B)        # all but the newest B
+        kept       = policy(candidates)           # K = N - B per (row, layer, kv head)
+        slots [0, K)  <- candidates[kept]         # in the policy's order (the reference does not sort)
+        slots [K, N)  <- the newest B slots
+        length = n = N
+
+Padding: our cache holds left padding (the reference's does not). Padding slots have `pos = -1`, are invalid
+candidates, and are never kept while a valid candidate is left out, so the first eviction drops them; the trigger
+counts real tokens, so padding does not shift the schedule. Rows of a batch evict on the longest row's schedule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from vase_jax.cache import KVCache, ordered_queries
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.eviction.registry import METHODS, EvictionInputs
+
+
+def capacity_for(eviction: EvictionConfig, prompt_slots: int, bucket_slack: int, max_new_tokens: int) -> int:
+    """Static cache capacity.
+
+    `full`: prompt_slots + max_new_tokens. Eviction: max(prompt_slots, budget + bucket_slack) + buffer, where
+    `bucket_slack` is the padding added to reach the prompt bucket: before the first eviction the longest row's
+    real tokens sit behind that padding, so the first trigger (at most `budget + buffer` real tokens, or at most
+    `prompt + buffer` for prompts longer than the budget) needs that many extra slots; afterwards `budget + buffer`
+    slots suffice. Memory does not depend on `max_new_tokens`.
+    """
+    if not eviction.evicts:
+        return prompt_slots + max_new_tokens
+    return max(prompt_slots, eviction.budget + bucket_slack) + eviction.buffer
+
+
+def should_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
+    """The reference trigger, plus a guard that fires only if the cache would otherwise overflow (possible only when
+    every row of the caller's input starts with padding, which shifts real tokens right)."""
+    n = cache.seen
+    return ((n > eviction.budget) & (n % eviction.buffer == 0)) | (cache.length >= cache.capacity)
+
+
+def _gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x: [batch, kv_heads, L, ...]; idx: [batch, kv_heads, K] -> [batch, kv_heads, K, ...]."""
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
+    return jnp.take_along_axis(x, idx, axis=2)
+
+
+def _compact(x: jax.Array, kept: jax.Array, length: jax.Array, budget: int, buffer: int) -> jax.Array:
+    """Write the kept candidates to slots [0, K) and the newest `buffer` slots to [K, N)."""
+    k = budget - buffer
+    recent = jax.lax.dynamic_slice_in_dim(x, length - buffer, buffer, axis=2)  # [batch, kv_heads, B, ...]
+    chosen = _gather_slots(x, kept)  # [batch, kv_heads, K, ...]
+    x = jax.lax.dynamic_update_slice_in_dim(x, chosen, 0, axis=2)
+    return jax.lax.dynamic_update_slice_in_dim(x, recent, k, axis=2)
+
+
+def select_layer(
+    cache: KVCache, layer: int, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array
+) -> jax.Array:
+    """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L))."""
+    method = METHODS[eviction.method]
+    num_candidates = cache.capacity - eviction.buffer  # static L
+    slot = jnp.arange(num_candidates)
+    pos = jnp.where(slot < cache.length - eviction.buffer, cache.pos[layer][:, :, :num_candidates], -1)
+    if method.needs_queries:
+        queries, query_valid = ordered_queries(cache, layer)
+    else:
+        b, h = pos.shape[:2]
+        queries = jnp.zeros((b, h, 1, 0, cache.k[layer].shape[-1]), cache.k[layer].dtype)
+        query_valid = jnp.zeros((b, 0), bool)
+    inputs = EvictionInputs(
+        keys=cache.k[layer][:, :, :num_candidates],
+        values=cache.v[layer][:, :, :num_candidates],
+        queries=queries,
+        query_valid=query_valid,
+        pos=pos,
+        layer_key=layer_key,
+        row_ids=row_ids,
+    )
+    kept = method.select(inputs, eviction, key).astype(jnp.int32)  # [batch, kv_heads, K]
+    if eviction.sort_kept_by_position:  # the reference's initial commit; invalid slots go last
+        kept_pos = jnp.take_along_axis(pos, kept, axis=2)
+        order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
+        kept = jnp.take_along_axis(kept, order, axis=2)
+    return kept
+
+
+def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array) -> KVCache:
+    """One eviction event over every layer. `key` is the generate call's eviction key."""
+    budget, buffer = eviction.budget, eviction.buffer
+    k_new, v_new, pos_new = [], [], []
+    for layer in range(len(cache.k)):
+        layer_key = jax.random.fold_in(key, layer)
+        event_key = jax.random.fold_in(layer_key, cache.evictions)
+        kept = select_layer(cache, layer, eviction, event_key, layer_key, row_ids)
+        pos_l = _compact(cache.pos[layer], kept, cache.length, budget, buffer)
+        pos_l = jnp.where(jnp.arange(cache.capacity) < budget, pos_l, -1)  # slots >= N are stale
+        k_new.append(_compact(cache.k[layer], kept, cache.length, budget, buffer))
+        v_new.append(_compact(cache.v[layer], kept, cache.length, budget, buffer))
+        pos_new.append(pos_l)
+    return cache.replace(
+        k=tuple(k_new), v=tuple(v_new), pos=tuple(pos_new),
+        length=jnp.int32(budget), seen=jnp.int32(budget), evictions=cache.evictions + 1,
+    )

@@ -1,0 +1,222 @@
+"""`generate`: prefill, then a decode loop compiled as one XLA program (`lax.while_loop`).
+
+Loop state is a small pytree (`LoopState`): the cache, the output buffer, the step and per-row end flags. Each step
+feeds the previous token of every row, appends one KV per layer, attends over the live slots, samples in float32,
+and -- for eviction methods -- runs the periodic eviction of `vase_jax.eviction.framework` when it triggers. The
+loop stops when every row has emitted an end token or `max_new_tokens` is reached.
+
+Randomness: `key` is split once into a sampling key and an eviction key. Step s samples row r with
+`fold_in(fold_in(sample_key, s), row)`; layer l's eviction number e uses `fold_in(fold_in(evict_key, l), e)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from vase_jax.attention import decode_attention
+from vase_jax.cache import KVCache, prefill_cache, write_query, write_token
+from vase_jax.eviction import framework
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.eviction.registry import METHODS
+from vase_jax.model import Qwen3
+from vase_jax.sampling import SamplingConfig, sample
+
+QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Decoding settings (static). `temperature=0` is greedy; `top_k=0` is off (the reference's HF path does not
+    apply top-k); Qwen3's thinking-mode recommendation is temperature 0.6, top_p 0.95, top_k 20."""
+
+    max_new_tokens: int = 32768
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 0
+    eos_token_ids: tuple[int, ...] = QWEN3_END_TOKENS
+    pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
+    prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def pad_id(self) -> int:
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def validate(self) -> GenerateConfig:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"GenerateConfig.max_new_tokens={self.max_new_tokens!r} must be a positive int")
+        try:
+            self.sampling.validate()
+        except ValueError as e:
+            raise ValueError(f"GenerateConfig.{e}") from None
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ValueError(f"GenerateConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of ints")
+        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
+            raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
+        return self
+
+    def bucket(self, prompt_len: int) -> int:
+        for b in self.prompt_buckets:
+            if prompt_len <= b:
+                return b
+        step = 8192
+        return -(-prompt_len // step) * step
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # [batch, max_new_tokens] int32, pad after the end token
+    num_tokens: jax.Array  # [batch] int32, tokens generated per row (end token included)
+    finished: jax.Array  # [batch] bool, True when the row emitted an end token
+    evictions: jax.Array  # int32 scalar, eviction events that ran
+    cache_length: jax.Array  # int32 scalar, slots in use at the end
+
+
+@struct.dataclass
+class LoopState:
+    cache: KVCache
+    tokens: jax.Array  # [batch, max_new_tokens] int32
+    last: jax.Array  # [batch] int32, the token fed at the next step
+    done: jax.Array  # [batch] bool
+    num_tokens: jax.Array  # [batch] int32
+    step: jax.Array  # int32 scalar: tokens produced so far
+
+
+def _validate_inputs(model, input_ids, attention_mask, config: GenerateConfig, eviction: EvictionConfig):
+    if not isinstance(model, Qwen3):
+        raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
+    config.validate()
+    eviction.validate()
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids={tuple(input_ids.shape)}: empty prompt (batch and seq must be >= 1)")
+    if not isinstance(attention_mask, jax.core.Tracer):
+        import numpy as np
+
+        mask = np.asarray(attention_mask)
+        empty = np.flatnonzero(mask.sum(axis=1) == 0)
+        if empty.size:
+            raise ValueError(f"attention_mask: rows {empty.tolist()} are empty prompts (no real token)")
+        if not (mask[:, -1] != 0).all():
+            raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
+    if eviction.evicts and eviction.method not in METHODS:
+        raise ValueError(f"EvictionConfig.method={eviction.method!r} is not registered")
+
+
+def generate(
+    model: Qwen3,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    key: jax.Array,
+    config: GenerateConfig = GenerateConfig(),
+    eviction: EvictionConfig = EvictionConfig("full"),
+    row_ids: jax.Array | None = None,
+) -> GenerateOutput:
+    """Sample up to `config.max_new_tokens` tokens per row from left-padded prompts.
+
+    input_ids, attention_mask: [batch, seq] (as `encode_prompts` returns). `row_ids` [batch] names each row's
+    random stream (default `arange(batch)`): a row gives the same tokens whatever else is in its batch.
+    Prompts longer than `eviction.budget` are kept whole until the first eviction, which then runs over more than
+    `budget` candidates (as the reference does); the capacity grows to hold them.
+    """
+    input_ids = jnp.asarray(input_ids)
+    attention_mask = jnp.asarray(attention_mask)
+    _validate_inputs(model, input_ids, attention_mask, config, eviction)
+    b, t_in = input_ids.shape
+    t = config.bucket(t_in)
+    if t > t_in:  # left-pad to the bucket so that prompts of nearby lengths share one compiled program
+        input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=config.pad_id)
+        attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
+    capacity = framework.capacity_for(eviction, t, t - t_in, config.max_new_tokens)
+    if row_ids is None:
+        row_ids = jnp.arange(b, dtype=jnp.int32)
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
+                     jnp.asarray(row_ids, jnp.int32), config, eviction, capacity)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
+              eviction: EvictionConfig, capacity: int) -> GenerateOutput:
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    b = input_ids.shape[0]
+    sample_key, evict_key = jax.random.split(key)
+    needs_queries = eviction.evicts and METHODS[eviction.method].needs_queries
+    window = eviction.buffer if needs_queries else 0
+    eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
+
+    with jax.named_scope("prefill"):
+        logits, keys, values, queries = model.prefill(input_ids, attention_mask)
+        cache = prefill_cache(cfg, keys, values, queries if needs_queries else None, attention_mask,
+                              capacity, window)
+        first = sample(logits[:, -1], jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
+
+    tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+    state0 = LoopState(cache=cache, tokens=tokens, last=first, done=done, num_tokens=jnp.ones((b,), jnp.int32),
+                       step=jnp.int32(1))
+
+    def cond(s: LoopState):
+        return (s.step < config.max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: LoopState) -> LoopState:
+        logits, cache = decode_step(model, s.cache, s.last, eviction.attention_impl)
+        if eviction.evicts:
+            cache = jax.lax.cond(framework.should_evict(cache, eviction),
+                                 lambda c: framework.evict(c, eviction, evict_key, row_ids), lambda c: c, cache)
+        token = sample(logits, jax.random.fold_in(sample_key, s.step), config.sampling, row_ids)
+        token = jnp.where(s.done, config.pad_id, token)
+        tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
+        return LoopState(cache=cache, tokens=tokens, last=token, done=s.done | jnp.isin(token, eos),
+                         num_tokens=s.num_tokens + (~s.done).astype(jnp.int32), step=s.step + 1)
+
+    final = jax.lax.while_loop(cond, body, state0)
+    return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
+                          evictions=final.cache.evictions, cache_length=final.cache.length)
+
+
+def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto"):
+    """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache)."""
+    cfg = model.cfg
+    slot = cache.length
+    positions = cache.row_pos[:, None]  # [batch, 1]
+    x = model.embed(token[:, None])  # [batch, 1, embed]
+    ks, vs, ps, qs = list(cache.k), list(cache.v), list(cache.pos), list(cache.queries)
+    for i, layer in enumerate(model.layers):
+        with jax.named_scope(f"layer_{i}"):
+            with jax.named_scope("attention"):
+                q, k, v = layer.attn.project(layer.input_norm(x), positions)  # q [b, kv, group, 1, d]
+                ks[i], vs[i], ps[i] = write_token(ks[i], vs[i], ps[i], k, v, cache.row_pos, slot)
+                if qs:
+                    qs[i] = write_query(qs[i], q, cache.time)
+                out = decode_attention(q[:, :, :, 0], ks[i], vs[i], ps[i], slot + 1, attention_impl)
+                x = x + layer.attn.output(out[:, :, :, None].astype(x.dtype))
+            x = layer.mlp_block(x)
+    logits = model.logits(x)[:, 0]  # [batch, vocab]
+    query_valid = cache.query_valid
+    if qs:
+        query_valid = jax.lax.dynamic_update_slice(
+            query_valid, jnp.ones((query_valid.shape[0], 1), bool), (0, cache.time % cache.window))
+    new_cache = cache.replace(
+        k=tuple(ks), v=tuple(vs), pos=tuple(ps), queries=tuple(qs), query_valid=query_valid,
+        row_pos=cache.row_pos + 1, length=slot + 1, seen=cache.seen + 1, time=cache.time + 1,
+    )
+    return logits, new_cache
