@@ -174,21 +174,30 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     state0 = LoopState(cache=cache, tokens=tokens, last=first, done=done, num_tokens=jnp.ones((b,), jnp.int32),
                        step=jnp.int32(1))
 
-    def cond(s: LoopState):
+    def running(s: LoopState) -> jax.Array:
         return (s.step < config.max_new_tokens) & ~jnp.all(s.done)
 
-    def body(s: LoopState) -> LoopState:
+    def step(s: LoopState) -> LoopState:
         logits, cache = decode_step(model, s.cache, s.last, eviction.attention_impl)
-        if eviction.evicts:
-            cache = jax.lax.cond(framework.should_evict(cache, eviction),
-                                 lambda c: framework.evict(c, eviction, evict_key, row_ids), lambda c: c, cache)
         token = sample(logits, jax.random.fold_in(sample_key, s.step), config.sampling, row_ids)
         token = jnp.where(s.done, config.pad_id, token)
         tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
         return LoopState(cache=cache, tokens=tokens, last=token, done=s.done | jnp.isin(token, eos),
                          num_tokens=s.num_tokens + (~s.done).astype(jnp.int32), step=s.step + 1)
 
-    final = jax.lax.while_loop(cond, body, state0)
+    if not eviction.evicts:
+        final = jax.lax.while_loop(running, step, state0)
+    else:
+        # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
+        # body thus holds no conditional, which would make XLA copy the cache at every step.
+        def segment(s: LoopState) -> LoopState:
+            s = jax.lax.while_loop(
+                lambda s: running(s) & ~framework.should_evict(s.cache, eviction), step, step(s))
+            cache = jax.lax.cond(framework.should_evict(s.cache, eviction),
+                                 lambda c: framework.evict(c, eviction, evict_key, row_ids), lambda c: c, s.cache)
+            return s.replace(cache=cache)
+
+        final = jax.lax.while_loop(running, segment, state0)
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
                           evictions=final.cache.evictions, cache_length=final.cache.length)
 

@@ -82,12 +82,21 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def project(self, x: jax.Array, positions: jax.Array):
-        """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d]."""
+        """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
+
+        Projections are plain 2-D matmuls against `[embed, heads * head_dim]` views of the weights, so no weight is
+        transposed (copied) inside the decode loop.
+        """
         cfg = self.cfg
-        b, t, _ = x.shape
-        q = jnp.einsum("bte,ehd->bhtd", x, self.q_proj[...])  # [batch, q_heads, seq, head_dim]
-        k = jnp.einsum("bte,ehd->bhtd", x, self.k_proj[...])  # [batch, kv_heads, seq, head_dim]
-        v = jnp.einsum("bte,ehd->bhtd", x, self.v_proj[...])  # [batch, kv_heads, seq, head_dim]
+        b, t, e = x.shape
+
+        def heads(w: jax.Array, n: int) -> jax.Array:  # [batch, seq, embed] @ [embed, n * d] -> [batch, n, seq, d]
+            y = x.reshape(b * t, e) @ w.reshape(e, n * cfg.head_dim)
+            return y.reshape(b, t, n, cfg.head_dim).transpose(0, 2, 1, 3)
+
+        q = heads(self.q_proj[...], cfg.num_heads)  # [batch, q_heads, seq, head_dim]
+        k = heads(self.k_proj[...], cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
+        v = heads(self.v_proj[...], cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
         q = rope(self.q_norm(q), positions, cfg.rope_theta)
         k = rope(self.k_norm(k), positions, cfg.rope_theta)
         q = q.reshape(b, cfg.num_kv_heads, cfg.group, t, cfg.head_dim)  # [batch, kv_heads, group, seq, head_dim]
@@ -96,8 +105,9 @@ class Attention(nnx.Module):
     def output(self, attn: jax.Array) -> jax.Array:
         """attn: [batch, kv_heads, group, seq, head_dim] -> [batch, seq, embed]."""
         b, _, _, t, d = attn.shape
-        attn = attn.reshape(b, self.cfg.num_heads, t, d)  # [batch, q_heads, seq, head_dim]
-        return jnp.einsum("bhtd,hde->bte", attn, self.o_proj[...])
+        hd = self.cfg.num_heads * d
+        attn = attn.reshape(b, self.cfg.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b * t, hd)
+        return (attn @ self.o_proj[...].reshape(hd, -1)).reshape(b, t, -1)  # [batch, seq, embed]
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

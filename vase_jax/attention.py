@@ -1,0 +1,24 @@
+"""Decode attention over the KV cache: one switch (`attention_impl`) between the Pallas kernel and the XLA path."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import decode_attention as _kernels
+from pallas_kernels.dispatch import resolve_impl
+
+
+def decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array, impl: str = "auto"
+) -> jax.Array:
+    """One query token per row against the cache.
+
+    q: [batch, kv_heads, group, head_dim]; k, v: [batch, kv_heads, capacity, head_dim]; pos: [batch, kv_heads,
+    capacity] (-1 = empty, masked); length: int32 scalar, slots in use (slots >= length are never read).
+    Returns [batch, kv_heads, group, head_dim] in q's dtype.
+    """
+    impl = resolve_impl(impl)
+    if impl == "pallas":
+        interpret = jax.default_backend() != "gpu"
+        return _kernels.decode_attention(q, k, v, pos, length, interpret=interpret)
+    return _kernels.decode_attention_reference(q, k, v, pos, length)
