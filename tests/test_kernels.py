@@ -1,0 +1,398 @@
+"""Pallas kernels against their pure-JAX references, and the references against NumPy float64.
+
+Each kernel has a test class that runs the compiled kernel (needs a GPU) and a subclass with
+`INTERPRET = True` that runs the same tests through the Pallas interpreter on CPU. Shapes are small: interpret
+mode is slow.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.eviction_scores import (
+    value_magnitude,
+    value_magnitude_reference,
+    window_scores,
+    window_scores_reference,
+)
+
+HAS_GPU = jax.default_backend() == "gpu"
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def _max_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# NumPy float64 formulas
+# ------------------------------------------------------------------------------------------------------------
+def _np_decode(q, k, v, pos, length, block_mask=None, block_size=None):
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    pos = np.asarray(pos)
+    capacity = k.shape[2]
+    valid = (pos >= 0) & (np.arange(capacity) < length)  # [b, h, c]
+    if block_mask is not None:
+        valid &= np.repeat(np.asarray(block_mask), block_size, axis=2)[:, :, :capacity]
+    k = np.where(valid[..., None], k, 0.0)  # slots past length may hold garbage
+    v = np.where(valid[..., None], v, 0.0)
+    s = np.einsum("bhgd,bhsd->bhgs", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(valid[:, :, None, :], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.where(valid[:, :, None, :], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = e.sum(-1, keepdims=True)
+    a = np.divide(e, den, out=np.zeros_like(e), where=den > 0)
+    return np.einsum("bhgs,bhsd->bhgd", a, v)
+
+
+def _np_scores(queries, keys, valid, query_valid, smooth, temperature):
+    q = np.asarray(jnp.asarray(queries, jnp.float32), np.float64)  # [b, h, g, w, d]
+    k = np.asarray(jnp.asarray(keys, jnp.float32), np.float64)  # [b, h, l, d]
+    valid, query_valid = np.asarray(valid), np.asarray(query_valid)
+    batch, kv_heads, group, window, head_dim = q.shape
+    out = np.zeros(k.shape[:3])
+    for b in range(batch):
+        for h in range(kv_heads):
+            cand = np.flatnonzero(valid[b, h])
+            queries_t = np.flatnonzero(query_valid[b])
+            p = np.zeros(k.shape[2])
+            if len(cand) and len(queries_t):
+                for g in range(group):
+                    for t in queries_t:
+                        z = k[b, h, cand] @ q[b, h, g, t] / (np.sqrt(head_dim) * temperature)
+                        z = np.exp(z - z.max())
+                        p[cand] += z / z.sum()
+                p /= group * len(queries_t)
+            if smooth:
+                padded = np.concatenate([np.zeros(2), p, np.zeros(2)])
+                p = np.array([padded[j : j + 5].sum() / 5 for j in range(len(p))])
+                p[~valid[b, h]] = 0.0
+            out[b, h] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------------
+def _decode_inputs(
+    seed, batch, kv_heads, group, head_dim, capacity, length, dtype, empty_rows=(), garbage=False
+):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, kv_heads, group, head_dim))
+    k = rng.normal(size=(batch, kv_heads, capacity, head_dim))
+    v = rng.normal(size=(batch, kv_heads, capacity, head_dim))
+    pos = np.where(rng.random((batch, kv_heads, capacity)) < 0.2, -1, np.arange(capacity)).astype(np.int32)
+    for b, h in empty_rows:
+        pos[b, h] = -1
+    if garbage:  # slots at or past `length`: NaN keys and values, positions that look valid
+        k[:, :, length:] = np.nan
+        v[:, :, length:] = np.nan
+        pos[:, :, length:] = rng.integers(0, 1000, size=pos[:, :, length:].shape)
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(pos),
+        jnp.int32(length),
+    )
+
+
+def _score_inputs(seed, batch, kv_heads, group, window, head_dim, num_keys, dtype):
+    rng = np.random.default_rng(seed)
+    queries = jnp.asarray(rng.normal(size=(batch, kv_heads, group, window, head_dim)) * 2.0, dtype)
+    keys = jnp.asarray(rng.normal(size=(batch, kv_heads, num_keys, head_dim)), dtype)
+    valid = rng.random((batch, kv_heads, num_keys)) < 0.8
+    valid[0, 0, :] = False  # a (row, kv head) without any candidate
+    query_valid = rng.random((batch, window)) < 0.7
+    query_valid[:, 0] = True
+    if batch > 1:
+        query_valid[1, :] = False  # a row whose window holds no query yet
+    return queries, keys, jnp.asarray(valid), jnp.asarray(query_valid)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decode attention: kernel vs reference
+# ------------------------------------------------------------------------------------------------------------
+# (group, head_dim, dtype, capacity, length, block_size, num_splits, empty (b, h) rows)
+DECODE_CASES = [
+    (1, 64, "float32", 96, 77, 16, 3, ()),
+    (2, 128, "bfloat16", 200, 200, 32, 4, ((1, 0),)),
+    (4, 64, "bfloat16", 256, 130, 64, 2, ((0, 1),)),
+    (8, 128, "float32", 512, 40, 16, 8, ()),
+    (5, 128, "float32", 160, 160, 32, 1, ((0, 0), (1, 1))),
+    (2, 64, "float32", 64, 1, 64, 4, ()),
+    (8, 64, "bfloat16", 300, 257, 128, 2, ()),
+]
+
+
+class TestDecodeAttentionKernel:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and not HAS_GPU:
+            pytest.skip(
+                "compiled Triton kernel needs a GPU; TestDecodeAttentionKernelInterpret runs it on CPU"
+            )
+
+    @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"g{c[0]}-d{c[1]}-{c[2]}-c{c[3]}-n{c[4]}")
+    def test_matches_reference(self, case):
+        group, head_dim, dtype, capacity, length, block_size, num_splits, empty = case
+        q, k, v, pos, n = _decode_inputs(0, 2, 2, group, head_dim, capacity, length, dtype, empty_rows=empty)
+        out = decode_attention(
+            q, k, v, pos, n, block_size=block_size, num_splits=num_splits, interpret=self.INTERPRET
+        )
+        ref = decode_attention_reference(q, k, v, pos, n, block_size=block_size)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert _max_err(out, ref) <= TOL[dtype]
+        for b, h in empty:
+            assert np.all(np.asarray(out[b, h], np.float32) == 0.0)
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_slots_past_length_are_not_read(self, dtype):
+        args = dict(batch=2, kv_heads=2, group=4, head_dim=64, capacity=256, length=70, dtype=dtype)
+        clean = _decode_inputs(1, **args)
+        dirty = _decode_inputs(1, **args, garbage=True)
+        for fn in (decode_attention, decode_attention_reference):
+            kw = dict(block_size=32, num_splits=2, interpret=self.INTERPRET)
+            out_dirty = fn(*dirty, **kw)
+            assert np.all(np.isfinite(np.asarray(out_dirty, np.float32)))
+            np.testing.assert_array_equal(
+                np.asarray(out_dirty, np.float32), np.asarray(fn(*clean, **kw), np.float32)
+            )
+
+    def test_block_mask(self):
+        q, k, v, pos, n = _decode_inputs(2, 2, 2, 4, 64, 200, 180, "float32")
+        rng = np.random.default_rng(3)
+        block_mask = rng.random((2, 2, 7)) < 0.6  # ceil(200 / 32) = 7 blocks
+        block_mask[1, 1] = False  # a row with every block switched off -> 0
+        block_mask = jnp.asarray(block_mask)
+        out = decode_attention(
+            q, k, v, pos, n, block_size=32, num_splits=3, block_mask=block_mask, interpret=self.INTERPRET
+        )
+        ref = decode_attention_reference(q, k, v, pos, n, block_size=32, block_mask=block_mask)
+        assert _max_err(out, ref) <= 1e-5
+        assert _max_err(ref, _np_decode(q, k, v, pos, 180, block_mask, 32)) <= 1e-5
+        assert np.all(np.asarray(out[1, 1]) == 0.0)
+        # all blocks on == no mask
+        ones = jnp.ones((2, 2, 7), bool)
+        no_mask = decode_attention(q, k, v, pos, n, block_size=32, num_splits=3, interpret=self.INTERPRET)
+        with_ones = decode_attention(
+            q, k, v, pos, n, block_size=32, num_splits=3, block_mask=ones, interpret=self.INTERPRET
+        )
+        np.testing.assert_array_equal(np.asarray(no_mask), np.asarray(with_ones))
+
+    def test_empty_cache_gives_zeros(self):
+        q, k, v, pos, _ = _decode_inputs(4, 1, 2, 2, 64, 64, 64, "float32")
+        out = decode_attention(q, k, v, pos, 0, block_size=16, num_splits=2, interpret=self.INTERPRET)
+        assert np.all(np.asarray(out) == 0.0)
+        out = decode_attention(q, k, v, jnp.full_like(pos, -1), 64, block_size=16, interpret=self.INTERPRET)
+        assert np.all(np.asarray(out) == 0.0)
+
+    def test_rejects_bad_arguments(self):
+        q, k, v, pos, n = _decode_inputs(5, 1, 1, 2, 64, 64, 64, "float32")
+        with pytest.raises(ValueError, match="block_size=24"):
+            decode_attention(q, k, v, pos, n, block_size=24, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="num_splits=0"):
+            decode_attention(q, k, v, pos, n, num_splits=0, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="block_mask has shape"):
+            decode_attention(
+                q, k, v, pos, n, block_size=16, block_mask=jnp.ones((1, 1, 3), bool), interpret=self.INTERPRET
+            )
+
+
+class TestDecodeAttentionKernelInterpret(TestDecodeAttentionKernel):
+    INTERPRET = True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decode attention: reference vs NumPy, and its cost
+# ------------------------------------------------------------------------------------------------------------
+def _materialized_shapes(hlo: str) -> list[str]:
+    """Result shapes of buffer-owning instructions outside fused computations (fusion insides are virtual)."""
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", hlo))
+    shapes, in_fused = [], False
+    free = ("parameter(", "get-tuple-element(", "tuple(", "while(", "conditional(", "bitcast(", "call(")
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY )?(%[\w.\-]+) ", line)
+        if header:
+            in_fused = header.group(2) in fused
+            continue
+        m = re.match(r"^\s*(ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])", line)
+        if m and not in_fused and not any(op in line for op in free):
+            shapes.append(m.group(2))
+    return shapes
+
+
+class TestDecodeAttentionReference:
+    @pytest.mark.parametrize(
+        "group,head_dim,dtype,capacity,length,block_size",
+        [
+            (1, 64, "float32", 50, 50, 16),
+            (2, 128, "float32", 200, 131, 64),
+            (4, 64, "float32", 40, 33, 64),
+            (8, 64, "float32", 130, 7, 1),
+            (4, 128, "bfloat16", 96, 96, 32),
+        ],
+    )
+    def test_matches_numpy(self, group, head_dim, dtype, capacity, length, block_size):
+        q, k, v, pos, n = _decode_inputs(
+            6, 2, 3, group, head_dim, capacity, length, dtype, empty_rows=((1, 2),)
+        )
+        out = decode_attention_reference(q, k, v, pos, n, block_size=block_size)
+        expected = _np_decode(q, k, v, pos, length)
+        # bf16: inputs are exact in float32; the error is the final rounding to bf16
+        assert _max_err(out, expected) <= (1e-5 if dtype == "float32" else 1e-2)
+        assert np.all(np.asarray(out[1, 2], np.float32) == 0.0)
+
+    def test_scale_argument(self):
+        q, k, v, pos, n = _decode_inputs(7, 1, 2, 2, 64, 64, 50, "float32")
+        out = decode_attention_reference(q, k, v, pos, n, scale=0.5)
+        expected = _np_decode(q * (0.5 * 8.0), k, v, pos, 50)  # _np_decode scales by 1 / sqrt(64)
+        assert _max_err(out, expected) <= 1e-5
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_no_cache_sized_buffers(self, dtype):
+        # The loop reads one block at a time: no buffer of the cache's shape (copy or conversion) may appear.
+        q, k, v, pos, n = _decode_inputs(8, 2, 2, 2, 64, 1024, 100, dtype)
+        fn = jax.jit(lambda *a: decode_attention_reference(*a, block_size=64))
+        hlo = fn.lower(q, k, v, pos, n).compile().as_text()
+        assert "while" in hlo
+        cache_shapes = {f"{t}[2,2,1024,64]" for t in ("f32", "bf16", "u16", "s32")} | {
+            "s32[2,2,1024]",
+            "pred[2,2,1024]",
+        }
+        assert not cache_shapes & set(_materialized_shapes(hlo))
+
+    def test_rejects_bad_arguments(self):
+        q, k, v, pos, n = _decode_inputs(9, 1, 2, 2, 64, 64, 64, "float32")
+        with pytest.raises(ValueError, match="pos has shape"):
+            decode_attention_reference(q, k, v, pos[:, :1], n)
+        with pytest.raises(ValueError, match="v has shape"):
+            decode_attention_reference(q, k, v[:, :, :10], pos, n)
+        with pytest.raises(ValueError, match="dtypes differ"):
+            decode_attention_reference(q, k.astype(jnp.bfloat16), v, pos, n)
+        with pytest.raises(ValueError, match="length has shape"):
+            decode_attention_reference(q, k, v, pos, jnp.ones(2, jnp.int32))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# window scores: kernel vs reference
+# ------------------------------------------------------------------------------------------------------------
+# (group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys, num_splits)
+SCORE_CASES = [
+    (1, 8, 64, 100, "float32", True, 1.0, 32, 2),
+    (2, 16, 128, 64, "bfloat16", True, 1.0, 16, 4),
+    (4, 16, 64, 150, "float32", False, 0.5, 64, 3),
+    (8, 16, 128, 77, "float32", True, 2.0, 32, 1),
+]
+
+
+class TestWindowScoresKernel:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and not HAS_GPU:
+            pytest.skip("compiled Triton kernel needs a GPU; TestWindowScoresKernelInterpret runs it on CPU")
+
+    @pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: f"g{c[0]}-w{c[1]}-d{c[2]}-l{c[3]}-{c[4]}")
+    def test_matches_reference(self, case):
+        group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys, num_splits = case
+        queries, keys, valid, query_valid = _score_inputs(0, 2, 2, group, window, head_dim, num_keys, dtype)
+        kw = dict(smooth=smooth, temperature=temperature)
+        out = window_scores(
+            queries,
+            keys,
+            valid,
+            query_valid,
+            **kw,
+            block_keys=block_keys,
+            num_splits=num_splits,
+            interpret=self.INTERPRET,
+        )
+        ref = window_scores_reference(queries, keys, valid, query_valid, **kw)
+        assert out.shape == keys.shape[:3] and out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL[dtype], atol=1e-7)
+        assert np.all(np.asarray(out)[~np.asarray(valid)] == 0.0)
+        assert np.all(np.asarray(out[1]) == 0.0)  # row 1 has no valid window query
+
+    def test_rejects_bad_arguments(self):
+        queries, keys, valid, query_valid = _score_inputs(1, 1, 1, 2, 8, 64, 32, "float32")
+        with pytest.raises(ValueError, match="block_keys=48"):
+            window_scores(queries, keys, valid, query_valid, block_keys=48, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="temperature=0"):
+            window_scores(queries, keys, valid, query_valid, temperature=0.0, interpret=self.INTERPRET)
+
+
+class TestWindowScoresKernelInterpret(TestWindowScoresKernel):
+    INTERPRET = True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# window scores and value magnitudes: reference vs NumPy
+# ------------------------------------------------------------------------------------------------------------
+class TestEvictionScoresReference:
+    @pytest.mark.parametrize(
+        "group,window,num_keys,dtype,smooth,temperature",
+        [
+            (2, 8, 40, "float32", True, 1.0),
+            (4, 4, 33, "float32", False, 1.0),
+            (1, 16, 20, "float32", True, 0.7),
+            (8, 4, 24, "bfloat16", True, 1.0),
+        ],
+    )
+    def test_window_scores_match_numpy(self, group, window, num_keys, dtype, smooth, temperature):
+        queries, keys, valid, query_valid = _score_inputs(2, 2, 3, group, window, 64, num_keys, dtype)
+        out = window_scores_reference(
+            queries, keys, valid, query_valid, smooth=smooth, temperature=temperature
+        )
+        expected = _np_scores(queries, keys, valid, query_valid, smooth, temperature)
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-8)
+        assert np.all(np.asarray(out)[~np.asarray(valid)] == 0.0)
+
+    def test_window_scores_sum_to_one_without_smoothing(self):
+        # each valid query's distribution sums to 1, so the group/window mean does too
+        queries, keys, valid, query_valid = _score_inputs(3, 2, 2, 2, 8, 64, 50, "float32")
+        out = np.asarray(window_scores_reference(queries, keys, valid, query_valid, smooth=False))
+        np.testing.assert_allclose(out[0, 1].sum(), 1.0, rtol=1e-5)
+        assert out[0, 0].sum() == 0.0 and out[1].sum() == 0.0
+
+    @pytest.mark.parametrize("kind", ["range", "l2", "var"])
+    def test_value_magnitude_matches_numpy(self, kind):
+        rng = np.random.default_rng(4)
+        values = rng.normal(size=(2, 3, 17, 64)).astype(np.float32)
+        valid = rng.random((2, 3, 17)) < 0.7
+        expected = {
+            "range": np.ptp(values, axis=-1),
+            "l2": np.linalg.norm(values, axis=-1),
+            "var": np.var(values.astype(np.float64), axis=-1, ddof=1),
+        }[kind]
+        expected = np.where(valid, expected, 0.0)
+        for fn in (value_magnitude, value_magnitude_reference):
+            out = fn(jnp.asarray(values), jnp.asarray(valid), kind)
+            np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="kind='max'"):
+            value_magnitude_reference(jnp.asarray(values), jnp.asarray(valid), "max")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dispatch
+# ------------------------------------------------------------------------------------------------------------
+def test_resolve_impl_and_interpret():
+    backend_is_gpu = jax.default_backend() == "gpu"
+    assert dispatch.resolve_impl("auto") == ("pallas" if backend_is_gpu else "xla")
+    assert dispatch.resolve_impl("xla") == "xla"
+    assert dispatch.resolve_impl("pallas") == "pallas"
+    with pytest.raises(ValueError, match="impl='triton'"):
+        dispatch.resolve_impl("triton")
+    assert dispatch.resolve_interpret("pallas") is (not backend_is_gpu)
+    assert dispatch.resolve_interpret("xla") is False
+    assert dispatch.resolve_interpret("pallas", interpret=True) is True
