@@ -54,8 +54,8 @@ def test_end_tokens_stop_rows_and_pad(model, prompt_batch):
                       config=vj.GenerateConfig(max_new_tokens=12, temperature=0.0, eos_token_ids=(stop,),
                                                pad_token_id=7))
     toks = np.asarray(out.tokens)
-    first_stop = [int(np.flatnonzero(np.asarray(free.tokens[r]) == stop)[0]) if (np.asarray(free.tokens[r]) == stop).any()
-                  else None for r in range(3)]
+    free_tokens = np.asarray(free.tokens)
+    first_stop = [int(np.flatnonzero(row == stop)[0]) if (row == stop).any() else None for row in free_tokens]
     for r in range(3):
         if first_stop[r] is None:
             assert not out.finished[r] and out.num_tokens[r] == 12
@@ -75,16 +75,17 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model):
         cap = framework.capacity_for(ev, 64, 0, cfg.max_new_tokens)
         hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), cfg, ev,
                               cap).compile().as_text()
-        copies = per_step_copies(hlo, lambda dims: cap in dims)  # only cache arrays have a capacity axis
+        copies = per_step_copies(hlo, lambda dims, cap=cap: cap in dims)  # only cache arrays have a capacity axis
         assert copies == [], f"{ev.method}: cache-sized copies in the decode step:\n" + "\n".join(copies)
         # nor weight-sized copies (a transposed weight has the hidden size and at least as many elements)
         c = model.cfg
         smallest_weight = c.hidden_size * c.head_dim * c.num_kv_heads
-        weights = per_step_copies(hlo, lambda dims: c.hidden_size in dims and math.prod(dims) >= smallest_weight)
+        weights = per_step_copies(
+            hlo, lambda dims, c=c, n=smallest_weight: c.hidden_size in dims and math.prod(dims) >= n)
         assert weights == [], "\n".join(weights)
         # the check can see copies: the eviction branch (once per `buffer` steps) does rewrite the cache
         if ev.evicts:
-            assert per_step_copies(hlo, lambda dims: cap in dims, follow_branches=True)
+            assert per_step_copies(hlo, lambda dims, cap=cap: cap in dims, follow_branches=True)
 
 
 def test_compiles_once_per_shape(model, tokenizer):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import decode_attention as _kernels
-from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels import get_decode_attention
 
 
 def decode_attention(
@@ -15,10 +14,7 @@ def decode_attention(
 
     q: [batch, kv_heads, group, head_dim]; k, v: [batch, kv_heads, capacity, head_dim]; pos: [batch, kv_heads,
     capacity] (-1 = empty, masked); length: int32 scalar, slots in use (slots >= length are never read).
+    `impl`: "auto" (Pallas on GPU, XLA elsewhere), "xla", or "pallas" (interpret mode off GPU).
     Returns [batch, kv_heads, group, head_dim] in q's dtype.
     """
-    impl = resolve_impl(impl)
-    if impl == "pallas":
-        interpret = jax.default_backend() != "gpu"
-        return _kernels.decode_attention(q, k, v, pos, length, interpret=interpret)
-    return _kernels.decode_attention_reference(q, k, v, pos, length)
+    return get_decode_attention(impl)(q, k, v, pos, length)

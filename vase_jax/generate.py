@@ -42,6 +42,7 @@ class GenerateConfig:
     eos_token_ids: tuple[int, ...] = QWEN3_END_TOKENS
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
+    return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -74,6 +75,10 @@ class GenerateConfig:
         return -(-prompt_len // step) * step
 
 
+DEFAULT_CONFIG = GenerateConfig()
+NO_EVICTION = EvictionConfig("full")
+
+
 @struct.dataclass
 class GenerateOutput:
     tokens: jax.Array  # [batch, max_new_tokens] int32, pad after the end token
@@ -81,6 +86,7 @@ class GenerateOutput:
     finished: jax.Array  # [batch] bool, True when the row emitted an end token
     evictions: jax.Array  # int32 scalar, eviction events that ran
     cache_length: jax.Array  # int32 scalar, slots in use at the end
+    cache: KVCache | None = None  # the final cache, when GenerateConfig.return_cache
 
 
 @struct.dataclass
@@ -125,8 +131,8 @@ def generate(
     attention_mask: jax.Array,
     *,
     key: jax.Array,
-    config: GenerateConfig = GenerateConfig(),
-    eviction: EvictionConfig = EvictionConfig("full"),
+    config: GenerateConfig = DEFAULT_CONFIG,
+    eviction: EvictionConfig = NO_EVICTION,
     row_ids: jax.Array | None = None,
 ) -> GenerateOutput:
     """Sample up to `config.max_new_tokens` tokens per row from left-padded prompts.
@@ -199,12 +205,12 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
 
         final = jax.lax.while_loop(running, segment, state0)
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
-                          evictions=final.cache.evictions, cache_length=final.cache.length)
+                          evictions=final.cache.evictions, cache_length=final.cache.length,
+                          cache=final.cache if config.return_cache else None)
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto"):
     """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache)."""
-    cfg = model.cfg
     slot = cache.length
     positions = cache.row_pos[:, None]  # [batch, 1]
     x = model.embed(token[:, None])  # [batch, 1, embed]

@@ -48,13 +48,58 @@ def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return logits
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
-    """logits: [batch, vocab] -> tokens [batch] int32.
+def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Index drawn from unnormalized probs [batch, n] with uniforms u [batch]: the first i with cdf_i > u * total."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+    return jnp.minimum(idx, probs.shape[-1] - 1)
 
-    Row r draws with `fold_in(key, row_ids[r])`, so a row's sample does not depend on the other rows of the batch.
+
+def _nucleus_sorted(sorted_probs: jax.Array, top_p: float) -> jax.Array:
+    """Zero the tokens outside the nucleus; sorted_probs [batch, n] in descending order."""
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    return jnp.where(mass_before < top_p, sorted_probs, 0.0)
+
+
+def _nucleus_unsorted(probs: jax.Array, top_p: float) -> jax.Array:
+    """The same nucleus without sorting the vocabulary: probs [batch, vocab] (summing to 1).
+
+    The nucleus is {i : p_i >= t} for t* = the largest t with mass(p >= t) >= top_p. Non-negative float32 values
+    order like their int32 bit patterns, so 31 bisection steps over the bit patterns find t* exactly.
+    """
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # [batch, vocab]
+    lo = jnp.zeros(probs.shape[:1], jnp.int32)  # mass(p >= 0) = 1 >= top_p
+    hi = bits.max(axis=-1) + 1  # mass(p >= hi) = 0 < top_p
+
+    def bisect(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(jnp.where(bits >= mid[:, None], probs, 0.0), axis=-1) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 31, bisect, (lo, hi))
+    return jnp.where(bits >= lo[:, None], probs, 0.0)
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
+    """logits: [batch, vocab] -> tokens [batch] int32, from the distribution of `filter_logits`.
+
+    Row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the CDF of its filtered distribution, so a
+    row's sample does not depend on the other rows of the batch. Nothing sorts the vocabulary: top-k works on the
+    `lax.top_k` candidates, top-p alone finds its threshold by bisection (`_nucleus_unsorted`).
     """
     if cfg.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, cfg)
-    draw = jax.vmap(lambda row, lg: jax.random.categorical(jax.random.fold_in(key, row), lg))
-    return draw(row_ids, filtered).astype(jnp.int32)
+    u = jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row)))(row_ids)  # [batch]
+    logits = logits.astype(jnp.float32) / cfg.temperature
+    if cfg.top_k > 0:
+        cand_logits, cand_ids = jax.lax.top_k(logits, min(cfg.top_k, logits.shape[-1]))  # [batch, k], descending
+        cand_probs = jax.nn.softmax(cand_logits, axis=-1)  # top-k renormalizes before top-p, as HF does
+        if cfg.top_p < 1.0:
+            cand_probs = _nucleus_sorted(cand_probs, cfg.top_p)
+        idx = _inverse_cdf(cand_probs, u)
+        return jnp.take_along_axis(cand_ids, idx[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)  # [batch, vocab]
+    if cfg.top_p < 1.0:
+        probs = _nucleus_unsorted(probs, cfg.top_p)
+    return _inverse_cdf(probs, u).astype(jnp.int32)

@@ -19,23 +19,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import KVCache, ordered_queries
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 
+CAPACITY_ALIGN = DEFAULT_BLOCK_SIZE
+
 
 def capacity_for(eviction: EvictionConfig, prompt_slots: int, bucket_slack: int, max_new_tokens: int) -> int:
-    """Static cache capacity.
+    """Static cache capacity, rounded up to a multiple of the attention block (`CAPACITY_ALIGN`).
 
     `full`: prompt_slots + max_new_tokens. Eviction: max(prompt_slots, budget + bucket_slack) + buffer, where
     `bucket_slack` is the padding added to reach the prompt bucket: before the first eviction the longest row's
     real tokens sit behind that padding, so the first trigger (at most `budget + buffer` real tokens, or at most
     `prompt + buffer` for prompts longer than the budget) needs that many extra slots; afterwards `budget + buffer`
     slots suffice. Memory does not depend on `max_new_tokens`.
+
+    The rounding keeps the attention's blocks aligned the same way whatever the capacity, so a method that never
+    evicts (budget above the total length) computes bit-identically to `full`.
     """
     if not eviction.evicts:
-        return prompt_slots + max_new_tokens
-    return max(prompt_slots, eviction.budget + bucket_slack) + eviction.buffer
+        slots = prompt_slots + max_new_tokens
+    else:
+        slots = max(prompt_slots, eviction.budget + bucket_slack) + eviction.buffer
+    return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
 def should_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:

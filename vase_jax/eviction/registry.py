@@ -43,7 +43,7 @@ class Method:
     name: str
     select: SelectFn
     needs_queries: bool  # whether the generate loop must keep the query ring buffer for this method
-    stochastic: bool  # whether the kept set depends on the eviction key
+    stochastic: bool  # whether the kept set depends on the generate key (event key or layer key)
     doc: str = ""
 
 
