@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Side-by-side table of the eviction methods on one model: kept-set overlap with SnapKV at the same eviction,
+eviction time per event, and decode tokens/s with periodic eviction.
+
+    python scripts/compare_methods.py --config qwen3-0.6b --layers 4 --budget 1024 --buffer 64 --out runs/methods
+
+With a named config the weights are random (no download): the attention patterns are then those of a random
+network, so the overlaps describe the policies' mechanics, not a trained model's choices. Pass `--model` (hub id or
+folder) for a real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="hub id or local folder (default: random weights of --config)")
+    p.add_argument("--config", default="qwen3-0.6b", help="named config for random weights (qwen3-0.6b, ...)")
+    p.add_argument("--layers", type=int, default=4, help="keep only this many layers of the named config")
+    p.add_argument("--methods", default="", help="comma list (default: every registered method but full)")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--buffer", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=1536, help="decode length for tokens/s")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--out", default="runs/methods")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import vase_jax as vj
+    from vase_jax.cache import prefill_cache
+    from vase_jax.eviction import METHODS, framework
+
+    methods = [m for m in args.methods.split(",") if m] or sorted(m for m in METHODS if m != "full")
+    try:
+        configs = [vj.EvictionConfig(m, budget=args.budget, buffer=args.buffer).validate() for m in methods]
+    except ValueError as e:
+        print(f"compare_methods.py: error: {e}", file=sys.stderr)
+        return 2
+    dtype = getattr(jnp, args.dtype)
+    if args.model:
+        model = vj.Qwen3.from_pretrained(args.model, dtype=dtype)
+        name = args.model
+    else:
+        from vase_jax.config import Qwen3Config
+
+        size = args.config.lower().removeprefix("qwen3-").upper()
+        path = Path(vj.__file__).parent / "data" / "configs" / f"Qwen3-{size}.json"
+        if not path.exists():
+            print(f"compare_methods.py: error: --config {args.config!r}: no {path.name}", file=sys.stderr)
+            return 2
+        hf = json.loads(path.read_text()) | {"num_hidden_layers": args.layers}
+        model = vj.Qwen3(Qwen3Config.from_hf_config(hf), dtype=dtype, rngs=nnx.Rngs(0))
+        name = f"random {args.config} ({args.layers} layers)"
+    cfg = model.cfg
+
+    # ---- one eviction moment: a real-text prompt of N + B tokens, prefilled with its queries --------------------
+    tok = vj.load_tokenizer()
+    text = " ".join(json.loads(line)["problem"] for line in
+                    (Path(vj.__file__).parent / "data" / "tasks" / "math" / "test.jsonl").open())
+    ids = np.asarray(tok(text)["input_ids"][: args.budget + args.buffer], np.int32)[None].repeat(args.batch, 0)
+    mask = np.ones_like(ids)
+    logits, keys, values, queries = jax.jit(model.prefill)(jnp.asarray(ids), jnp.asarray(mask))
+    capacity = ids.shape[1] + 64
+    cache = prefill_cache(cfg, keys, values, queries, jnp.asarray(mask), capacity, args.buffer)
+    row_ids = jnp.arange(args.batch, dtype=jnp.int32)
+    key = jax.random.key(0)
+    kept_by = {}
+    for ev in configs:
+        kept_by[ev.method] = [np.asarray(framework.select_layer(cache, layer, ev, jax.random.fold_in(key, layer),
+                                                                jax.random.fold_in(key, 100 + layer), row_ids))
+                              for layer in range(cfg.num_layers)]
+    ref_name = "snapkv" if "snapkv" in kept_by else methods[0]
+
+    def overlap(a, b):
+        return float(np.mean([len(set(x) & set(y)) / len(x) for la, lb in zip(a, b, strict=True)
+                              for x, y in zip(la.reshape(-1, la.shape[-1]), lb.reshape(-1, lb.shape[-1]),
+                                              strict=True)]))
+
+    rows = []
+    prompt = vj.encode_prompts(tok, ["Solve: " + text[:200]] * args.batch)
+    gen = vj.GenerateConfig(max_new_tokens=args.new_tokens, temperature=0.0, eos_token_ids=())
+    for ev in configs:
+        evict = jax.jit(lambda c, ev=ev: framework.evict(c, ev, key, row_ids))
+        jax.block_until_ready(evict(cache))
+        t_evict = _median_time(lambda ev_fn=evict: jax.block_until_ready(ev_fn(cache)), args.repeats)
+        run = lambda ev=ev: vj.generate(model, prompt.input_ids, prompt.attention_mask,  # noqa: E731
+                                        key=key, config=gen, eviction=ev).tokens.block_until_ready()
+        t0 = time.perf_counter()
+        run()
+        compile_and_run = time.perf_counter() - t0
+        t_gen = _median_time(run, args.repeats)
+        rows.append({"method": ev.method, "overlap_with_" + ref_name: overlap(kept_by[ev.method], kept_by[ref_name]),
+                     "evict_ms": 1e3 * t_evict, "tokens_per_s": args.batch * args.new_tokens / t_gen,
+                     "first_call_s": compile_and_run})
+        print(json.dumps(rows[-1]), flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": name, "budget": args.budget, "buffer": args.buffer, "batch": args.batch,
+            "new_tokens": args.new_tokens, "dtype": args.dtype, "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind, "repeats": args.repeats}
+    (out / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"Model: {name}, {args.dtype}; N={args.budget}, B={args.buffer}, batch {args.batch}, "
+             f"{args.new_tokens} greedy tokens; median of {args.repeats}.", "",
+             f"| method | kept-set overlap with {ref_name} | eviction ms/event | decode tokens/s |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['overlap_with_' + ref_name]:.2f} | {r['evict_ms']:.1f} | "
+              f"{r['tokens_per_s']:.1f} |" for r in rows]
+    (out / "methods.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

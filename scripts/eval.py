@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Evaluate KV-eviction methods on a reasoning task with the paper's protocol (resumable).
+
+    python scripts/eval.py --model Qwen/Qwen3-0.6B --task gsm8k --methods full,vase_attnv --budgets 512
+
+Defaults follow the paper per task (R samples, budget N, Nv = N/4, buffer 64, prompt + output <= the task's
+total-token cap, temperature 0.6, top-p 0.95, top-k off). Writes DIR/records.jsonl (one graded sample per
+line), DIR/summary.json, DIR/summary.md, DIR/accuracy_vs_budget.png, DIR/output_lengths.png and
+DIR/config.json. Rerun the same command to resume an interrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+PROG = "eval.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            return tuple(kind(t) for t in items)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {kind.__name__}") from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vase_jax.evaluation.config import RANDOM_MODELS
+
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder")
+    src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
+                     help="a tiny random Qwen3 built in memory (offline smoke runs; answers are noise)")
+    p.add_argument("--task", required=True, help="gsm8k, math500, aime24/25/26, hmmt25, amc, minerva, "
+                   "olympiadbench, gpqa (gpqa needs --data)")
+    p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set")
+    p.add_argument("--methods", type=_csv(str), default=("full", "vase_attnv"),
+                   help="comma list of eviction methods; 'full' = no eviction (default: full,vase_attnv)")
+    p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
+    p.add_argument("--buffer", type=int, default=64, help="eviction buffer / period B (default 64)")
+    p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")
+    p.add_argument("--samples", type=int, help="samples R per problem (default: the task's)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="output cap per sample (default: --max-total-tokens minus each prompt)")
+    p.add_argument("--max-total-tokens", type=int,
+                   help="prompt + output cap when --max-new-tokens is not given (default: the task's, 32768; "
+                   "gsm8k 4096)")
+    p.add_argument("--temperature", type=float, help="default 0.6")
+    p.add_argument("--top-p", type=float, help="default 0.95")
+    p.add_argument("--top-k", type=int, help="default 0 (off)")
+    p.add_argument("--batch-size", type=int, help="rows per generate call, all of one problem (default: R)")
+    p.add_argument("--limit", type=int, help="first N problems (default: all; gsm8k: 500)")
+    p.add_argument("--seed", type=int, help="default 0")
+    p.add_argument("--out", help="output folder (default: runs/<task>/<model name>)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--save-text", action="store_true", help="also store each decoded completion")
+    return p
+
+
+def _default_out(task: str, model: str) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model.rstrip("/")).name or model)
+    return Path("runs") / task / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+    def warn(msg: str) -> None:
+        print(f"{PROG}: warning: {msg}", file=sys.stderr)
+
+    from vase_jax import evaluation as ev
+
+    model = f"random:{args.random_model}" if args.random_model else args.model
+    try:
+        cfg, problems = ev.resolve(
+            model=model, task=args.task, data=args.data, methods=args.methods, budgets=args.budgets,
+            buffer=args.buffer, value_slots=args.value_slots, samples=args.samples,
+            max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
+            limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
+        )
+        out = Path(args.out) if args.out else _default_out(cfg.task, model)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out={str(out)!r} exists and is not a folder")
+        ev.check_resume(cfg, out)
+        store = ev.RecordStore(out / "records.jsonl", warn=warn)
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    ev.write_config(cfg, out)
+    wanted = ev.wanted_keys(cfg, problems)
+    todo = sum(k not in store for k in wanted)
+    if todo:
+        print(f"{PROG}: {cfg.task}: {len(problems)} problems x {cfg.samples} samples x {len(cfg.variants)} "
+              f"variants; {len(wanted) - todo} done, {todo} to go -> {out}", file=sys.stderr)
+        try:
+            try:
+                tokenizer = ev.load_tokenizer(cfg.model)
+                model = ev.load_model(cfg.model, cfg.dtype)
+            except (ValueError, OSError) as e:
+                return fail(f"--model={cfg.model!r}: {e}".replace("\n", " "))
+            _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted)
+        except KeyboardInterrupt:
+            print(f"\n{PROG}: interrupted; rerun the same command to resume", file=sys.stderr)
+            return 130
+    summary = ev.write_summary(cfg, store, wanted, out)
+    print(ev.markdown(summary))
+    print(f"wrote {out}/summary.md, summary.json, accuracy_vs_budget.png, output_lengths.png, records.jsonl")
+    return 0
+
+
+def _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted) -> None:
+    from tqdm import tqdm
+
+    per_problem = len(wanted) // len(problems)
+    have: dict[str, int] = {}
+    correct = graded = 0
+    for key in wanted:
+        rec = store.records.get(key)
+        if rec is not None:
+            have[key[0]] = have.get(key[0], 0) + 1
+            correct, graded = correct + bool(rec["correct"]), graded + 1
+    counted = {pid for pid, n in have.items() if n == per_problem}
+    tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=len(problems), initial=len(counted), unit="problem", desc=cfg.task, dynamic_ncols=True)
+
+    def progress(new: list[dict], finished: str | None) -> None:
+        nonlocal correct, graded, tokens
+        tokens += sum(r["tokens"] for r in new)
+        correct += sum(bool(r["correct"]) for r in new)
+        graded += len(new)
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}",
+                        acc=f"{100 * correct / max(graded, 1):.1f}%", samples=f"{graded}/{len(wanted)}",
+                        refresh=False)
+        if finished is not None and finished not in counted:
+            counted.add(finished)
+            bar.update(1)
+        else:
+            bar.refresh()
+
+    try:
+        ev.run(model, tokenizer, cfg, problems, store, progress=progress)
+    finally:
+        bar.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

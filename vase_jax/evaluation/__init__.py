@@ -1,0 +1,38 @@
+"""The paper's evaluation protocol (spec section 6) as a resumable run; `scripts/eval.py` is its command line.
+
+`config` resolves and validates the settings, `runner` generates and grades, `records` keeps the JSONL of
+graded samples (resumable), `report` writes summary.json, summary.md and the plots.
+"""
+
+from vase_jax.evaluation.config import RESULT_FIELDS, EvalConfig, check_resume, resolve, write_config
+from vase_jax.evaluation.records import RecordStore, record_key
+from vase_jax.evaluation.report import markdown, summarize, write_summary
+from vase_jax.evaluation.runner import (
+    load_model,
+    load_tokenizer,
+    plan,
+    problem_key,
+    run,
+    stable_id,
+    wanted_keys,
+)
+
+__all__ = [
+    "RESULT_FIELDS",
+    "EvalConfig",
+    "RecordStore",
+    "check_resume",
+    "load_model",
+    "load_tokenizer",
+    "markdown",
+    "plan",
+    "problem_key",
+    "record_key",
+    "resolve",
+    "run",
+    "stable_id",
+    "summarize",
+    "wanted_keys",
+    "write_config",
+    "write_summary",
+]

@@ -1,0 +1,245 @@
+"""`EvalConfig`: one evaluation run's settings, resolved from the task's paper defaults, validated up front.
+
+Everything that can be checked without the model is checked here, so that a bad flag fails in a second, not
+after loading weights and compiling. `RESULT_FIELDS` are the settings that change a sample's tokens or grade;
+a run directory written under other values of them is refused (`check_resume`), the others (methods, budgets,
+samples, limit) only select which records a run asks for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.resources
+import json
+import os
+from pathlib import Path
+
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.generate import GenerateConfig
+from vase_jax.tasks import Problem, Task, get_task, load_problems
+
+RANDOM_MODELS = {
+    # name -> Qwen3Config fields: the shapes of the test fixtures, with the real vocabulary so the packaged
+    # tokenizer's ids are valid. Weights: see `runner.load_model`.
+    "tiny": dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0),
+}
+RANDOM_HEAD_SCALE = 50.0  # head std 1: logits of std ~8, not ~0.2, peaked like a trained model's
+RANDOM_PREFIX = "random:"
+DTYPES = ("bfloat16", "float32")
+RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
+                 "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype")
+FORMAT = 1  # bump when the records' meaning changes
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """A fully resolved run. `budgets` apply to every evicting method; `full` runs once (budget None)."""
+
+    model: str  # hub id, absolute local folder, or "random:<name>"
+    task: str
+    data: str | None  # user data file (None: the packaged set)
+    data_sha256: str  # of the data file's bytes: a changed file is a different run
+    methods: tuple[str, ...]
+    budgets: tuple[int, ...]
+    buffer: int
+    value_slots: int | None  # None: N / 4 for each budget N (the paper's Nv)
+    samples: int  # R per problem
+    max_new_tokens: int | None  # None: the task's total cap minus each prompt (see `token_limits`)
+    max_total_tokens: int  # prompt + output cap when max_new_tokens is None
+    temperature: float
+    top_p: float
+    top_k: int
+    batch_size: int  # rows per generate call (samples of one problem)
+    limit: int | None
+    seed: int
+    dtype: str
+    save_text: bool = False
+    format: int = FORMAT
+
+    @property
+    def variants(self) -> tuple[tuple[str, int | None], ...]:
+        """(method, budget) pairs in run order; `full` once with budget None."""
+        out: list[tuple[str, int | None]] = []
+        for m in self.methods:
+            out.extend([(m, None)] if m == "full" else [(m, b) for b in self.budgets])
+        return tuple(out)
+
+    @property
+    def rows(self) -> int:
+        """Rows per generate call: min(batch_size, R). A short last chunk is padded to this many rows."""
+        return min(self.batch_size, self.samples)
+
+    def eviction(self, method: str, budget: int | None) -> EvictionConfig:
+        if method == "full":
+            return EvictionConfig("full")
+        return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots)
+
+    def generate_config(self, max_new_tokens: int) -> GenerateConfig:
+        return GenerateConfig(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
+
+    def token_limits(self, prompt_len: int) -> tuple[int, int]:
+        """(max_new_tokens passed to `generate`, exact output cap recorded) for a `prompt_len`-token prompt.
+
+        With `--max-new-tokens M` both are M. Otherwise the reference caps prompt + output at
+        `max_total_tokens` (exact cap: total - prompt_len). `generate` compiles one program per
+        max_new_tokens, so we pass the largest exact cap of the prompt's bucket, total - (previous
+        bucket + 1), which depends only on the bucket; outputs are then cut at the exact cap when recorded
+        (and counted as truncated if they had not ended by then).
+        """
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens, self.max_new_tokens
+        buckets = GenerateConfig().prompt_buckets
+        bucket = GenerateConfig().bucket(prompt_len)
+        if bucket in buckets:  # prompts in (previous bucket, bucket] share one program
+            i = buckets.index(bucket)
+            floor = buckets[i - 1] if i else 0
+        else:  # beyond the last bucket generate pads to multiples of 8192
+            floor = bucket - 8192
+        exact = max(1, self.max_total_tokens - prompt_len)
+        return max(exact, self.max_total_tokens - floor - 1), exact
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(name: str, value, allow_none: bool = False, minimum: int = 1):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"--{name}={value!r} must be an integer >= {minimum}")
+
+
+def data_sha256(task: Task, data: str | None) -> str:
+    """sha256 of the task's data file (the user's, or the packaged one)."""
+    if data is not None:
+        raw = Path(data).read_bytes()
+    else:
+        res = importlib.resources.files("vase_jax").joinpath("data", "tasks", task.data_dir, "test.jsonl")
+        raw = res.read_bytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def check_model(model: str) -> str:
+    """Validate a --model value without loading it; return it normalized (local folders made absolute).
+
+    A local folder needs config.json and weights (*.safetensors, a safetensors index, or an orbax `params`
+    folder). Anything else must look like a hub id 'org/name' (downloaded later).
+    """
+    from vase_jax.weights import ORBAX_MARKER
+
+    if model.startswith(RANDOM_PREFIX):
+        name = model[len(RANDOM_PREFIX):]
+        if name not in RANDOM_MODELS:
+            raise ValueError(f"--random-model={name!r} is not known; known: {', '.join(RANDOM_MODELS)}")
+        return model
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model={model!r}: folder has no config.json")
+        has_weights = (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+                       or ((path / ORBAX_MARKER).is_file() and (path / "params").is_dir()))
+        if not has_weights:
+            raise ValueError(f"--model={model!r}: folder has no weights (*.safetensors or orbax params/)")
+        return str(path.resolve())
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"--model={model!r} is not an existing folder and not a hub id 'org/name'")
+    return model
+
+
+def resolve(
+    *, model: str, task: str, data: str | None = None, methods: tuple[str, ...] = ("full",),
+    budgets: tuple[int, ...] | None = None, buffer: int = 64, value_slots: int | None = None,
+    samples: int | None = None, max_new_tokens: int | None = None, max_total_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
+    limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
+) -> tuple[EvalConfig, list[Problem]]:
+    """Fill defaults from the task (paper settings), validate every field, read the problems.
+
+    Raises ValueError with a one-line message naming the flag and its value.
+    """
+    t = get_task(task)
+    if not methods:
+        raise ValueError("--methods is empty; pass a comma list such as full,vase_attnv")
+    from vase_jax.eviction import METHODS
+
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: {m!r} is not a known method; known: {', '.join(sorted(METHODS))}")
+    methods = tuple(dict.fromkeys(methods))
+    budgets = tuple(dict.fromkeys(budgets)) if budgets else (t.budget,)
+    for b in budgets:
+        _positive("budgets", b)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    _positive("buffer", buffer)
+    _positive("value-slots", value_slots, allow_none=True, minimum=0)
+    _positive("samples", samples, allow_none=True)
+    _positive("max-new-tokens", max_new_tokens, allow_none=True)
+    _positive("max-total-tokens", max_total_tokens, allow_none=True)
+    _positive("batch-size", batch_size, allow_none=True)
+    _positive("limit", limit, allow_none=True, minimum=0)
+    _positive("seed", seed, allow_none=True, minimum=0)
+    samples = samples or t.samples
+    if data is not None and not os.path.isfile(data):
+        raise ValueError(f"--data={data!r} is not an existing file")
+    if data is None and t.data_dir is None:
+        raise ValueError(f"--task {t.name} has no packaged data; pass --data FILE.jsonl "
+                         "(format: vase_jax/data/tasks/README.md)")
+    cfg = EvalConfig(
+        model=check_model(model), task=t.name, data=str(Path(data).resolve()) if data else None,
+        data_sha256="", methods=methods, budgets=budgets, buffer=buffer, value_slots=value_slots,
+        samples=samples, max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens or t.max_total_tokens,
+        temperature=t.temperature if temperature is None else float(temperature),
+        top_p=t.top_p if top_p is None else float(top_p), top_k=t.top_k if top_k is None else top_k,
+        batch_size=batch_size or samples, limit=t.num_problems if limit is None else limit,
+        seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text,
+    )
+    try:
+        cfg.generate_config(cfg.max_new_tokens or 1).validate()
+    except ValueError as e:
+        raise ValueError(f"sampling flags: {e}") from None
+    for method, budget in cfg.variants:
+        try:
+            cfg.eviction(method, budget).validate()
+        except ValueError as e:
+            raise ValueError(f"--methods {method} --budgets {budget}: {e}") from None
+    try:
+        problems = load_problems(t, data, cfg.limit)
+    except ValueError as e:
+        raise ValueError(f"--data: {e}" if data else str(e)) from None
+    if not problems:
+        raise ValueError(f"--limit={limit}: no problems to evaluate")
+    return dataclasses.replace(cfg, data_sha256=data_sha256(t, data)), problems
+
+
+def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
+    """Refuse an output folder written under settings that change results; name the first differing field."""
+    saved_file = out_dir / "config.json"
+    if not saved_file.exists():
+        if (out_dir / "records.jsonl").exists():
+            raise ValueError(f"{out_dir}: records.jsonl without config.json; use a new --out")
+        return
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{saved_file}: unreadable ({e}); use a new --out") from None
+    now = cfg.to_json()
+    for field in ("format", *RESULT_FIELDS):
+        if saved.get(field) != now[field]:
+            raise ValueError(
+                f"--out {out_dir} was run with {field}={saved.get(field)!r}, now {field}={now[field]!r}; "
+                "that changes results: use the same settings or a new --out"
+            )
+
+
+def write_config(cfg: EvalConfig, out_dir: Path) -> None:
+    """Atomically write `out_dir/config.json` (the latest invocation; result fields never change)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    os.replace(tmp, out_dir / "config.json")

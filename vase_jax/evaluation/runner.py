@@ -1,0 +1,163 @@
+"""The evaluation loop: problems x (method, budget) x chunks of samples -> graded records, resumably.
+
+Randomness. Problem p's key is `fold_in(key(seed), stable_id(task, p.id))`, where `stable_id` is the first 31
+bits of sha256("task/id"), and sample s is row stream `row_ids = s` of `generate`. A sample's tokens depend
+on (seed, task, problem id, sample index, method, budget) and the settings, not on batch order or on which
+samples were already done. All methods of a problem share its key (common random numbers for comparisons).
+
+Batches. The R samples of a problem run as rows of one batch of the same prompt (as in the reference); with
+`batch_size < R`, as chunks of `batch_size` rows, the last chunk padded with copies of its last row
+(discarded) so that every call has the same shape. A chunk runs if any of its samples lacks a record; only
+the missing ones are written. Compiles: one per (prompt bucket, method, budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vase_jax.evaluation.config import RANDOM_HEAD_SCALE, RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
+from vase_jax.evaluation.records import Key, RecordStore
+from vase_jax.tasks import Problem, extract_answer, get_task, grade
+
+
+def stable_id(task: str, problem_id: str) -> int:
+    """A 31-bit integer of (task, problem id) that is the same on every machine and Python run."""
+    digest = hashlib.sha256(f"{task}/{problem_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
+    """The PRNG key of one problem; its samples are the row streams 0..R-1 of `generate`."""
+    return jax.random.fold_in(jax.random.key(seed), stable_id(task, problem_id))
+
+
+def load_model(model: str, dtype: str):
+    """`Qwen3.from_pretrained(model)`, or for "random:<name>" a random Qwen3 drawn with NumPy (seed 0).
+
+    Random weights: normal with std 0.02, RMSNorm scales 1; the output head's std is scaled by
+    `RANDOM_HEAD_SCALE`, because with std 0.02 the next-token distribution would be nearly uniform over 151936
+    tokens and top-p would sort the whole vocabulary at every step (slow on CPU); a trained model's
+    distribution is peaked, as the scaled one is. NumPy, not jax.random: no compile per parameter shape.
+    """
+    import vase_jax as vj
+
+    if not model.startswith(RANDOM_PREFIX):
+        return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype))
+    from flax import nnx
+
+    from vase_jax.weights import model_from_params
+
+    cfg = vj.Qwen3Config(**RANDOM_MODELS[model[len(RANDOM_PREFIX):]])
+    _, abstract = nnx.split(nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    params = {}
+    for path, var in nnx.to_flat_state(abstract):
+        if path[-1] == "weight":  # RMSNorm scales
+            params[path] = np.ones(var.shape, np.float32)
+        else:
+            std = 0.02 * (RANDOM_HEAD_SCALE if path == ("lm_head",) else 1.0)
+            params[path] = rng.normal(0.0, std, var.shape).astype(np.float32)
+    return model_from_params(cfg, params, getattr(jnp, dtype))
+
+
+def load_tokenizer(model: str):
+    import vase_jax as vj
+
+    return vj.load_tokenizer(None if model.startswith(RANDOM_PREFIX) else model)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    problem: Problem
+    method: str
+    budget: int | None
+    samples: tuple[int, ...]  # sample indices of this call's rows (without padding)
+
+
+def plan(cfg: EvalConfig, problems: list[Problem]) -> list[Chunk]:
+    """Every generate call of the run, in order: problems, then (method, budget), then chunks of samples."""
+    rows = cfg.rows
+    return [
+        Chunk(p, method, budget, tuple(range(start, min(start + rows, cfg.samples))))
+        for p in problems
+        for method, budget in cfg.variants
+        for start in range(0, cfg.samples, rows)
+    ]
+
+
+def wanted_keys(cfg: EvalConfig, problems: list[Problem]) -> list[Key]:
+    """The record keys this run asks for."""
+    return [(p.id, s, m, b) for p in problems for m, b in cfg.variants for s in range(cfg.samples)]
+
+
+def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[dict]:
+    """Generate the rows of `chunk`, cut each at the exact cap, grade; one record per sample."""
+    import vase_jax as vj
+
+    prompt_len = int(prompt.lengths[0])
+    gen_tokens, cap = cfg.token_limits(prompt_len)
+    row_ids = np.array(chunk.samples + (chunk.samples[-1],) * (cfg.rows - len(chunk.samples)), np.int32)
+    ids = np.repeat(prompt.input_ids, cfg.rows, axis=0)  # [rows, prompt]
+    mask = np.repeat(prompt.attention_mask, cfg.rows, axis=0)  # [rows, prompt]
+    key = problem_key(cfg.seed, cfg.task, chunk.problem.id)
+    t0 = time.perf_counter()
+    out = vj.generate(model, ids, mask, key=key, config=cfg.generate_config(gen_tokens),
+                      eviction=cfg.eviction(chunk.method, chunk.budget), row_ids=jnp.asarray(row_ids))
+    tokens, num, finished, evictions = jax.device_get(
+        (out.tokens, out.num_tokens, out.finished, out.evictions))  # [rows, gen_tokens], [rows], [rows], []
+    seconds = time.perf_counter() - t0
+    task = get_task(cfg.task)
+    records = []
+    for r, sample in enumerate(chunk.samples):
+        n = int(num[r])
+        done = bool(finished[r]) and n <= cap  # an end token beyond the exact cap does not count
+        n = min(n, cap)
+        text = tokenizer.decode(tokens[r, :n].tolist(), skip_special_tokens=True)
+        rec = {
+            "task": cfg.task, "problem_id": chunk.problem.id, "sample": sample, "method": chunk.method,
+            "budget": chunk.budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
+            "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
+            "gold": chunk.problem.answer, "correct": bool(grade(text, chunk.problem)),
+            "evictions": int(evictions), "seconds": round(seconds / len(chunk.samples), 4),
+        }
+        if cfg.save_text:
+            rec["text"] = text
+        records.append(rec)
+    return records
+
+
+def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: RecordStore,
+        progress: Callable[[list[dict], str | None], None] | None = None) -> int:
+    """Run every chunk of `plan` that lacks a record, appending its records to `store` as soon as it ends.
+
+    `progress(new_records, problem_id or None)` is called after each chunk, with the problem's id when it was
+    the problem's last chunk. Returns the samples generated.
+    """
+    import vase_jax as vj
+
+    task = get_task(cfg.task)
+    encoded: dict[str, vj.PromptBatch] = {}
+    generated = 0
+    chunks = plan(cfg, problems)
+    for i, chunk in enumerate(chunks):
+        missing = [s for s in chunk.samples if (chunk.problem.id, s, chunk.method, chunk.budget) not in store]
+        last_of_problem = i + 1 == len(chunks) or chunks[i + 1].problem.id != chunk.problem.id
+        new: list[dict] = []
+        if missing:
+            if chunk.problem.id not in encoded:
+                prompt = task.build_prompt(chunk.problem.question)
+                encoded = {chunk.problem.id: vj.encode_prompts(tokenizer, [prompt])}
+            new = [r for r in run_chunk(model, tokenizer, cfg, chunk, encoded[chunk.problem.id])
+                   if r["sample"] in missing]
+            store.append(new)
+            generated += len(new)
+        if progress is not None:
+            progress(new, chunk.problem.id if last_of_problem else None)
+    return generated
