@@ -43,6 +43,11 @@ _MIN_ROWS = 16  # Triton's dot wants M, N, K >= 16
 # ------------------------------------------------------------------------------------------------------------
 # shared pieces
 # ------------------------------------------------------------------------------------------------------------
+def _drop_invalid_queries(queries: jax.Array, query_valid: jax.Array) -> jax.Array:
+    """Zero the queries of invalid window slots, so that whatever they hold (even NaN) cannot reach the score."""
+    return jnp.where(query_valid[:, None, None, :, None], queries, jnp.zeros((), queries.dtype))
+
+
 def _check_score_args(queries, keys, valid, query_valid, temperature: float) -> None:
     if queries.ndim != 5:
         raise ValueError(
@@ -138,6 +143,7 @@ def window_scores_reference(
     """
     del unused
     _check_score_args(queries, keys, valid, query_valid, temperature)
+    queries = _drop_invalid_queries(queries, query_valid)
     return _scores_reference(
         queries, keys, valid, query_valid, smooth=bool(smooth), temperature=float(temperature)
     )
@@ -330,6 +336,7 @@ def window_scores(
       num_warps, num_stages: Triton compiler parameters.
     """
     _check_score_args(queries, keys, valid, query_valid, temperature)
+    queries = _drop_invalid_queries(queries, query_valid)
     head_dim = queries.shape[4]
     for name, value in (("block_keys", block_keys), ("block_rows", block_rows), ("head_dim", head_dim)):
         if not is_power_of_2(value) or value < 16:

@@ -40,6 +40,7 @@ def attention_score(inputs: EvictionInputs, config: EvictionConfig) -> jax.Array
         inputs.valid,
         temperature=config.score_temperature,
         smooth=config.smooth,
+        impl=config.attention_impl,
     )
 
 

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import get_window_scores
+
 MAGNITUDES = ("range", "l2", "var")
 
 _F32 = jnp.float32
@@ -77,6 +79,7 @@ def window_attention_score(
     *,
     temperature: float = 1.0,
     smooth: bool = True,
+    impl: str = "xla",
 ) -> jax.Array:
     """The VaSE window-attention score s (spec 3.0), float32 `[batch, kv_heads, L]`.
 
@@ -89,16 +92,10 @@ def window_attention_score(
     commute.
 
     queries [b, h, g, W, D] (GQA: query head i belongs to kv head i // g), query_valid [b, W],
-    keys [b, h, L, D], valid [b, h, L].
+    keys [b, h, L, D], valid [b, h, L]. `impl` ("auto" | "xla" | "pallas") picks the Pallas kernel or its
+    pure-JAX twin (`pallas_kernels.eviction_scores`), the same switch as decode attention.
     """
-    lg = window_logits(queries, keys, temperature)  # [b, h, g, W, L]
-    a = _masked_softmax(lg, valid[:, :, None, None, :])  # [b, h, g, W, L]
-    qv = query_valid[:, None, None, :, None]  # [b, 1, 1, W, 1]
-    n_q = jnp.maximum(query_valid.sum(-1).astype(_F32), 1.0)[:, None, None]  # [b, 1, 1]
-    p = jnp.where(qv, a, 0.0).sum(axis=3).mean(axis=2) / n_q  # [b, h, L]
-    if smooth:
-        p = avg_pool(p, 5)
-    return jnp.where(valid, p, 0.0)
+    return get_window_scores(impl)(queries, keys, valid, query_valid, smooth=smooth, temperature=temperature)
 
 
 # ---- value magnitude ---------------------------------------------------------------------------------------
