@@ -170,7 +170,7 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 
     with jax.named_scope("prefill"):
-        logits, keys, values, queries = model.prefill(input_ids, attention_mask)
+        logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
         cache = prefill_cache(cfg, keys, values, queries if needs_queries else None, attention_mask,
                               capacity, window)
         first = sample(logits[:, -1], jax.random.fold_in(sample_key, 0), config.sampling, row_ids)

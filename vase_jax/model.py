@@ -179,12 +179,14 @@ class Qwen3(nnx.Module):
             return jnp.einsum("bte,ev->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
     # ---- plain forward and prefill -------------------------------------------------------------------------------
-    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array):
+    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, last_logits_only: bool = False):
         """Forward over left-padded prompts; also returns what the cache needs.
 
         input_ids, attention_mask: [batch, seq]. Each row's RoPE positions count its real tokens (padding gets 0).
         Returns (logits [batch, seq, vocab] f32, keys, values, queries): per layer, k/v [batch, kv_heads, seq, head_dim]
-        post-RoPE, queries [batch, kv_heads, group, seq, head_dim] post-RoPE.
+        post-RoPE, queries [batch, kv_heads, group, seq, head_dim] post-RoPE. With `last_logits_only` the logits
+        are those of the last position, [batch, 1, vocab] (what generation needs; the LM head is the largest
+        matmul of a prefill).
         """
         mask = attention_mask.astype(bool)  # [batch, seq]
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [batch, seq]
@@ -202,7 +204,7 @@ class Qwen3(nnx.Module):
             keys.append(k)
             values.append(v)
             queries.append(q)
-        return self.logits(x), keys, values, queries
+        return self.logits(x[:, -1:] if last_logits_only else x), keys, values, queries
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Plain forward pass (no cache): float32 logits [batch, seq, vocab]."""
