@@ -1,0 +1,569 @@
+#!/usr/bin/env python
+"""Decode speed, memory and cost of `vase_jax.generate` per eviction method, budget and output length;
+optionally against Hugging Face transformers on the same weights; with a memory-bandwidth roofline.
+
+    python scripts/bench.py --model tiny --output-lens 64 --methods full,vase_dkv --budgets 32 --buffer 8
+    python scripts/bench.py --model qwen3-0.6b --layers 4 --output-lens 32 --methods full --compare-hf
+    python scripts/bench.py --model small --batch 2 --output-lens 2048,8192 --budgets 1024 --out bench_long
+
+`--model` is a hub id, a local HF folder, or a named random model: `tiny` (tests), `small` (long CPU runs), or
+`qwen3-0.6b`, `qwen3-4b`, ... (the packaged real configs, random weights), shrunk with `--layers` / `--vocab`.
+Every generation is greedy and fixed-length (no end token). How each figure is obtained:
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import vase_jax as vj
+from vase_jax import bench as vb
+from vase_jax.cache import cache_bytes
+from vase_jax.eviction import METHODS, EvictionConfig, framework
+
+HOW = {
+    "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
+    "total_s": "one compiled generate call (prefill + every decode step + evictions), wall time ended by "
+    "block_until_ready; median [min-max] of --repeats runs after --warmup untimed runs",
+    "prefill_s": "a jitted copy of generate's prefill alone (prompt forward, cache allocation, first token)",
+    "decode_tok_s": "batch * (output_len - 1) / (total_s - median prefill_s), per run",
+    "segments": "marginal decode tokens/s between consecutive output lengths, batch * delta_len / "
+    "delta(median total_s); the first segment is decode_tok_s of the shortest length",
+    "step_ms_start/end": "a jitted fori_loop of --micro-steps greedy decode_steps (cache donated, no "
+    "eviction) on a cache filled with random K/V to the length at the first / the last step of the run; "
+    "per step",
+    "evict_ms": "a jitted framework.evict on a cache filled to budget + buffer slots (donated); per event",
+    "evict_overhead": "events * median evict_ms / (median total_s - median prefill_s)",
+    "tok_s_start/end": "batch / step_ms_start, and batch / (step_ms_end + evict_ms / buffer) (eviction "
+    "amortized)",
+    "cache_bytes": "bytes of the KV-cache arrays generate allocates (vase_jax.cache.cache_bytes)",
+    "program_bytes": "arguments + outputs + temporaries - aliased bytes of the compiled generate program "
+    "(Compiled.memory_analysis()): its peak memory, weights included",
+    "peak_rss_bytes": "CPU: the process's peak resident set (ru_maxrss) after the run (whole process)",
+    "device_peak_bytes": "GPU: memory_stats()['peak_bytes_in_use'] after the run (whole process)",
+    "roofline": "bytes a decode step must read: weights + live K/V/pos slots (+ 2x the budget+buffer slots "
+    "per eviction event); bound_tok_s = batch * steps * bandwidth / total bytes, with the larger read "
+    "bandwidth measured after the runs (numpy or jax sum over --bandwidth-mib)",
+    "hf": "transformers Qwen3ForCausalLM holding our weights, generate(do_sample=False, min_new_tokens = "
+    "max_new_tokens = n), timed the same way; its prefill_s is generate with max_new_tokens=1 (same cache)",
+}
+PAPER_METHODS = ("full", "snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2
+        print(f"bench.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(description=__doc__ + "\n".join(f"  {k}: {v}" for k, v in HOW.items()),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default="qwen3-0.6b", help="hub id, local HF folder, or named random model")
+    a("--layers", type=int, default=None, help="named random models: number of layers")
+    a("--vocab", type=int, default=None, help="named random models: vocabulary size")
+    a("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 (CPU), bfloat16 (GPU)")
+    a("--batch", type=int, default=4)
+    a("--prompt-len", type=int, default=128, help="random prompt tokens per row")
+    a("--output-lens", type=_ints, default=[1024], help="comma list: new tokens per row")
+    a("--methods", default="full,vase_attnv,vase_dkv", help="comma list, 'paper' (full + the five) or 'all'")
+    a("--budgets", type=_ints, default=[512], help="comma list of budgets N (eviction methods)")
+    a("--buffer", type=int, default=64, help="buffer B, the eviction period")
+    a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
+    a("--repeats", type=int, default=3, help="timed runs per figure (>= 3)")
+    a("--warmup", type=int, default=1, help="untimed runs after compiling, before the timed ones")
+    a("--micro-steps", type=int, default=8, help="decode steps per micro-benchmark call")
+    a("--compare-hf", action="store_true", help="also time transformers generate on the same weights")
+    a("--hf-caches", default="dynamic,static", help="HF cache implementations: dynamic, static")
+    a("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
+    a("--seed", type=int, default=0)
+    a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
+    a("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
+    """Every check that needs no model (ValueError naming the parameter); returns the configurations."""
+    for name in ("batch", "prompt_len", "micro_steps", "bandwidth_mib"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.repeats < 3:
+        raise ValueError(f"--repeats={args.repeats} must be >= 3 (each figure is a median of >= 3 runs)")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    bad = [n for n in args.output_lens if n < 2]
+    if bad or not args.output_lens:
+        raise ValueError(f"--output-lens={bad or args.output_lens}: each must be >= 2 (a prefill token and "
+                         "at least one decode step)")
+    args.output_lens = sorted(set(args.output_lens))
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if names == ["paper"]:
+        names = list(PAPER_METHODS)
+    elif names == ["all"]:
+        names = ["full"] + sorted(set(METHODS) - {"full"})
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"--methods: unknown {unknown or names}; known: {', '.join(sorted(METHODS))}")
+    configs = []
+    for m in dict.fromkeys(names):
+        if m == "full":
+            configs.append(EvictionConfig("full", attention_impl=args.attention_impl).validate())
+        elif not args.budgets:
+            raise ValueError(f"--budgets is empty but method {m!r} needs a budget")
+        else:
+            configs += [EvictionConfig(m, budget=n, buffer=args.buffer, attention_impl=args.attention_impl)
+                        .validate() for n in args.budgets]
+    args.hf_caches = [c.strip() for c in args.hf_caches.split(",") if c.strip()]
+    if args.compare_hf and (not args.hf_caches or set(args.hf_caches) - {"dynamic", "static"}):
+        raise ValueError(f"--hf-caches={','.join(args.hf_caches)!r}; allowed: dynamic, static")
+    return configs
+
+
+def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
+    """(model, description): a named random model, or a checkpoint folder / hub id."""
+    named = vb.named_configs()
+    name = args.model.lower()
+    if name in named:
+        cfg = vb.shrink(named[name], args.layers, args.vocab)
+        desc = f"{name} (random weights, {cfg.num_layers} layers, vocab {cfg.vocab_size})"
+        return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed)), desc
+    if args.layers is not None or args.vocab is not None:
+        raise ValueError(f"--layers / --vocab apply to named random models ({', '.join(named)}) only, not to "
+                         f"--model={args.model!r}")
+    return vj.Qwen3.from_pretrained(args.model, dtype=dtype), args.model
+
+
+# ---- measurements ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Bench:
+    """What every measurement shares: the arguments, the model split for jit, the prompt, memoized figures."""
+
+    args: argparse.Namespace
+    model: vj.Qwen3
+    ids: jax.Array  # [batch, bucket] int32, the prompt left-padded to its bucket as generate pads it
+    mask: jax.Array  # [batch, bucket] int32
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.graphdef, self.state = nnx.split(self.model)
+
+    @property
+    def batch(self) -> int:
+        return self.ids.shape[0]
+
+    def step_ms(self, capacity: int, window: int, length: int) -> vb.Stat:
+        """Per-step milliseconds of `decode_steps` from `length` live slots (memoized)."""
+        steps = self.args.micro_steps
+        length = max(1, min(length, capacity - steps))
+        key = ("step", capacity, window, length)
+        if key not in self.memo:
+            cfg, dtype = self.model.cfg, self.model.dtype
+            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed)]
+            token = jnp.zeros((self.batch,), jnp.int32)
+
+            def call():
+                box[0], tok = vb.decode_steps(self.graphdef, self.state, box[0], token, jnp.int32(length),
+                                              steps, self.args.attention_impl)
+                return tok
+
+            self.memo[key] = vb.time_runs(call, self.args.repeats, 1).map(lambda s: s / steps * 1e3)
+        return self.memo[key]
+
+    def evict_ms(self, ev: EvictionConfig, capacity: int) -> vb.Stat:
+        """Milliseconds of one eviction event on a full cache (memoized per configuration)."""
+        key = ("evict", ev, capacity)
+        if key not in self.memo:
+            cfg, dtype = self.model.cfg, self.model.dtype
+            full = ev.budget + ev.buffer
+            box = [vb.filled_cache(cfg, self.batch, capacity, full, vb.window_for(ev), dtype, self.args.seed)]
+            rkey, rows = jax.random.key(self.args.seed), jnp.arange(self.batch, dtype=jnp.int32)
+
+            def call():
+                box[0] = vb.evict_full(box[0], ev, rkey, rows)
+                return box[0].length
+
+            self.memo[key] = vb.time_runs(call, max(self.args.repeats, 5), 1).map(lambda s: s * 1e3)
+        return self.memo[key]
+
+    def run(self, ev: EvictionConfig, n: int) -> tuple[dict, np.ndarray]:
+        """Every figure of one (method, budget, output length); also returns the generated tokens."""
+        args, b, t = self.args, self.batch, self.ids.shape[1]
+        gen = vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0)
+        capacity = framework.capacity_for(ev, t, t - args.prompt_len, n)
+        window = vb.window_for(ev)
+        key = jax.random.key(args.seed)
+        graphdef = self.graphdef
+
+        def generate(state, ids, mask, key):
+            return vj.generate(nnx.merge(graphdef, state), ids, mask, key=key, config=gen, eviction=ev)
+
+        # generate gets the unpadded prompt and pads it to the bucket itself (which sets its cache capacity)
+        raw_ids, raw_mask = self.ids[:, t - args.prompt_len:], self.mask[:, t - args.prompt_len:]
+        start = time.perf_counter()
+        compiled = jax.jit(generate).lower(self.state, raw_ids, raw_mask, key).compile()
+        compile_s = time.perf_counter() - start
+        mem = compiled.memory_analysis()
+        program_bytes = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                                  + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        last = {}
+
+        def call():
+            last["out"] = compiled(self.state, raw_ids, raw_mask, key)
+            return last["out"]
+
+        total = vb.time_runs(call, args.repeats, args.warmup)
+        out = last.pop("out")
+        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window)
+        prefill = vb.time_runs(lambda: vb.prefill(*inputs), args.repeats, 1)
+        cache0 = vb.prefill(*inputs)[1]
+        sched = vb.cache_schedule(ev, t, args.prompt_len, capacity, n)
+        tok_s = vb.decode_rate(total, prefill, b * (n - 1))
+        step_start = self.step_ms(capacity, window, t)
+        step_end = self.step_ms(capacity, window, int(sched.slots_read[-1]) - 1)
+        evict = self.evict_ms(ev, capacity) if ev.evicts else None
+        evict_per_step = evict.median / ev.buffer if evict is not None else 0.0
+        decode_s = total.median - prefill.median
+        overhead = None if decode_s <= 0 else sched.events * (evict.median if evict else 0.0) / 1e3 / decode_s
+        roof = vb.roofline(self.model, ev, sched, b, np.dtype(self.model.dtype).itemsize)  # bound added in main
+        result = {
+            "engine": "vase_jax", "method": ev.method, "budget": ev.budget if ev.evicts else None,
+            "buffer": ev.buffer if ev.evicts else None, "output_len": n, "capacity": capacity,
+            "evictions": int(out.evictions), "evictions_expected": sched.events,
+            "cache_length_end": int(out.cache_length), "cache_length_expected": sched.final_length,
+            "compile_s": compile_s, "total_s": total.as_dict(), "prefill_s": prefill.as_dict(),
+            "decode_tok_s": _dict(tok_s), "step_ms_start": step_start.as_dict(),
+            "step_ms_end": step_end.as_dict(),
+            "evict_ms": _dict(evict), "tok_s_start": b / step_start.median * 1e3,
+            "tok_s_end": b / (step_end.median + evict_per_step) * 1e3, "evict_overhead": overhead,
+            "cache_bytes": cache_bytes(cache0), "program_bytes": program_bytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "device_peak_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
+            "roofline": roof,
+        }
+        if tok_s is None:
+            print(f"bench.py: warning: {label(result)} n={n}: a run took no longer than the prefill, so no "
+                  "decode tokens/s (use longer --output-lens)", file=sys.stderr)
+        return result, np.asarray(out.tokens)
+
+    def run_hf(self, hf, n: int, cache_impl: str) -> tuple[dict, np.ndarray]:
+        """`transformers` generate on the same (unpadded) prompt, greedy, exactly n new tokens, on `hf`'s
+        device (CUDA work is synchronized before each clock stop)."""
+        import torch
+
+        device = next(hf.parameters()).device
+        t = self.ids.shape[1] - self.args.prompt_len
+        ids = torch.tensor(np.asarray(self.ids[:, t:]), dtype=torch.long, device=device)
+        mask = torch.tensor(np.asarray(self.mask[:, t:]), dtype=torch.long, device=device)
+        extra = {"cache_implementation": "static"} if cache_impl == "static" else {}
+
+        def gen(m: int):
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=m, min_new_tokens=m,
+                              eos_token_id=None, pad_token_id=0, **extra)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return out
+
+        last = {}
+
+        def call():
+            last["out"] = gen(n)
+
+        with torch.inference_mode():
+            total = vb.time_runs(call, self.args.repeats, self.args.warmup)
+            prefill = vb.time_runs(lambda: gen(1), self.args.repeats, 1)
+        tok_s = vb.decode_rate(total, prefill, self.batch * (n - 1))
+        result = {"engine": "hf", "cache": cache_impl, "output_len": n, "total_s": total.as_dict(),
+                  "prefill_s": prefill.as_dict(), "decode_tok_s": _dict(tok_s), "device": str(device),
+                  "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+                  "torch_threads": torch.get_num_threads()}
+        return result, last["out"][:, ids.shape[1]:].cpu().numpy()
+
+
+def _dict(stat: vb.Stat | None) -> dict | None:
+    return None if stat is None else stat.as_dict()
+
+
+def _median(stat: dict | None) -> float | None:
+    return None if stat is None else stat["median"]
+
+
+def label(r: dict) -> str:
+    if r["engine"] == "hf":
+        return f"hf-{r['cache']}"
+    return r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
+
+
+def _by_label(runs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(label(r), []).append(r)
+    return {k: sorted(v, key=lambda r: r["output_len"]) for k, v in out.items()}
+
+
+def segments(runs: list[dict], batch: int) -> dict[str, list[dict]]:
+    """Marginal decode tokens/s between consecutive output lengths, per (method, budget)."""
+    out = {}
+    for name, rs in _by_label(runs).items():
+        segs = [{"from": 1, "to": rs[0]["output_len"], "tok_s": _median(rs[0]["decode_tok_s"])}]
+        for a, c in zip(rs, rs[1:], strict=False):
+            dt = c["total_s"]["median"] - a["total_s"]["median"]
+            rate = batch * (c["output_len"] - a["output_len"]) / dt if dt > 0 else None
+            segs.append({"from": a["output_len"], "to": c["output_len"], "tok_s": rate})
+        out[name] = segs
+    return out
+
+
+def summary(runs: list[dict], segs: dict[str, list[dict]], prompt_len: int) -> list[dict]:
+    """Per (method, budget): speed against full at the longest output length (measured, and predicted by the
+    bytes moved), flatness, cache bytes per output length.
+
+    Flatness: micro-benchmark tokens/s at the last step over the first; marginal tokens/s of the last segment
+    over the first, and over the first "steady" segment, which starts after every eviction method of the run has
+    filled its cache (output length >= budget + buffer - prompt), where an eviction method's speed must be flat.
+    """
+    full = {r["output_len"]: r for r in runs if r["method"] == "full"}
+    steady = max([r["budget"] + r["buffer"] - prompt_len for r in runs if r["budget"] is not None], default=0)
+    out = []
+    for name, rs in _by_label(runs).items():
+        last = rs[-1]
+        row = {"label": name, "output_len": last["output_len"],
+               "tok_s_end_over_start": last["tok_s_end"] / last["tok_s_start"],
+               "cache_bytes_by_len": {r["output_len"]: r["cache_bytes"] for r in rs}}
+        s = segs[name]
+        if len(s) > 1 and s[0]["tok_s"] and s[-1]["tok_s"]:
+            row["last_over_first_segment"] = s[-1]["tok_s"] / s[0]["tok_s"]
+        first_steady = next((x for x in s if x["from"] >= steady), None)
+        if first_steady is not None and first_steady is not s[-1] and first_steady["tok_s"] and s[-1]["tok_s"]:
+            row["steady_segment"] = [first_steady["from"], first_steady["to"]]
+            row["last_over_steady_segment"] = s[-1]["tok_s"] / first_steady["tok_s"]
+        f = full.get(last["output_len"])
+        if f is not None and last is not f:
+            ours, theirs = _median(last["decode_tok_s"]), _median(f["decode_tok_s"])
+            row["vs_full"] = ours / theirs if ours and theirs else None
+            row["vs_full_bound"] = last["roofline"]["bound_tok_s"] / f["roofline"]["bound_tok_s"]
+        out.append(row)
+    return out
+
+
+# ---- outputs -----------------------------------------------------------------------------------------------
+def _num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if x is None else f"{x * scale:{spec}}{suffix}"
+
+
+def _fmt(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
+    if stat is None:
+        return "-"
+    return f"{stat['median'] * scale:{spec}} [{stat['min'] * scale:{spec}}-{stat['max'] * scale:{spec}}]"
+
+
+def markdown(result: dict) -> str:
+    meta, bw = result["meta"], result["bandwidth"]
+    mib = 2**20
+    lines = [
+        f"Command: `{meta['command']}`", "",
+        f"Machine: {meta['device']}, {meta['cpu_count']} CPUs, jax {meta['jax']}; load average (1, 5, 15 "
+        f"min) at start {meta['load_start']}, at end {meta['load_end']}. Model: {meta['model']}, {meta['dtype']}, "
+        f"{meta['param_bytes'] / mib:.0f} MiB of weights; batch {meta['batch']}, prompt {meta['prompt_len']} "
+        f"tokens (bucket {meta['prompt_bucket']}); {meta['repeats']} timed runs after {meta['warmup']} "
+        "warm-up.",
+        f"Read bandwidth: numpy {bw['numpy_read'] / 1e9:.1f} GB/s, jax {bw['jax_read'] / 1e9:.1f} GB/s (jax "
+        f"in-place copy {bw['jax_copy'] / 1e9:.1f} GB/s read + write); the roofline uses "
+        f"{bw['used'] / 1e9:.1f} GB/s.",
+        "",
+        "| method | out len | decode tok/s med [min-max] | tok/s start | tok/s end | step ms start "
+        "| step ms end | prefill ms | compile s | evict ms/event | events | evict overhead | cache MiB "
+        "| program MiB | bound tok/s | achieved/bound |",
+        "|" + "---|" * 16,
+    ]
+    for r in result["runs"]:
+        lines.append(
+            f"| {label(r)} | {r['output_len']} | {_fmt(r['decode_tok_s'])} | {r['tok_s_start']:.1f} "
+            f"| {r['tok_s_end']:.1f} | {_fmt(r['step_ms_start'], spec='.2f')} "
+            f"| {_fmt(r['step_ms_end'], spec='.2f')} | {_fmt(r['prefill_s'], 1e3)} | {r['compile_s']:.1f} "
+            f"| {_fmt(r['evict_ms'], spec='.2f')} | {r['evictions']} "
+            f"| {_num(r['evict_overhead'], '.1f', 100, '%')} | {r['cache_bytes'] / mib:.1f} "
+            f"| {_num(r['program_bytes'], '.0f', 1 / mib)} | {r['roofline']['bound_tok_s']:.1f} "
+            f"| {_num(r['roofline']['achieved_over_bound'], '.2f')} |")
+    lines += ["", "Marginal decode tokens/s per output-length segment:", ""]
+    for name, segs in result["segments"].items():
+        lines.append(f"- {name}: " + ", ".join(f"{s['from']}-{s['to']}: {_num(s['tok_s'])}" for s in segs))
+    lines += ["", "Summary at the longest output length of each method:", ""]
+    for s in result["summary"]:
+        parts = [f"tok/s end/start {s['tok_s_end_over_start']:.2f}"]
+        if "last_over_first_segment" in s:
+            parts.append(f"last/first segment {s['last_over_first_segment']:.2f}")
+        if "last_over_steady_segment" in s:
+            a, c = s["steady_segment"]
+            parts.append(f"last segment / segment {a}-{c} {s['last_over_steady_segment']:.2f}")
+        if "vs_full" in s:
+            parts.append(f"vs full {_num(s['vs_full'], '.2f', suffix='x')} (bytes-moved bound "
+                         f"{s['vs_full_bound']:.2f}x)")
+        cache = ", ".join(f"{n}: {v / mib:.1f}" for n, v in s["cache_bytes_by_len"].items())
+        parts.append(f"cache MiB by output length {{{cache}}}")
+        lines.append(f"- {s['label']} (n={s['output_len']}): " + "; ".join(parts))
+    if result["hf"]:
+        lines += ["", "| engine | out len | decode tok/s med [min-max] | total s | prefill ms "
+                      "| ours (full) / HF decode tok/s | HF / ours total time | tokens equal to ours |",
+                  "|" + "---|" * 8]
+        for h in result["hf"]:
+            lines.append(
+                f"| {label(h)} | {h['output_len']} | {_fmt(h['decode_tok_s'])} "
+                f"| {_fmt(h['total_s'], spec='.2f')} "
+                f"| {_fmt(h['prefill_s'], 1e3)} | {_num(h.get('ratio_decode'), '.2f', suffix='x')} "
+                f"| {_num(h.get('ratio_total'), '.2f', suffix='x')} "
+                f"| {_num(h.get('tokens_equal_to_ours'), '.0f', 100, '%')} |")
+    lines += ["", "How each figure is obtained:", ""] + [f"- `{k}`: {v}" for k, v in result["how"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    """tokens_per_s.png (decode tokens/s vs output length) and memory.png (cache and program bytes)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.py: warning: matplotlib is not installed; no plots", file=sys.stderr)
+        return []
+    groups = _by_label(result["runs"] + result["hf"])
+    title = f"{result['meta']['model']}, batch {result['meta']['batch']}"
+    files = []
+    for fname, ylabel in (("tokens_per_s.png", "decode tokens/s (median)"), ("memory.png", "MiB")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for name, rs in groups.items():
+            xs = [r["output_len"] for r in rs]
+            if fname == "tokens_per_s.png":
+                ys = [_median(r["decode_tok_s"]) for r in rs]
+                ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=name)
+            elif rs[0]["engine"] == "vase_jax":
+                (line,) = ax.plot(xs, [r["cache_bytes"] / 2**20 for r in rs], marker="o",
+                                  label=f"{name}: cache")
+                if rs[0]["program_bytes"] is not None:
+                    ax.plot(xs, [r["program_bytes"] / 2**20 for r in rs], marker="s", ls="--",
+                            color=line.get_color(), label=f"{name}: program peak")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel="output length (new tokens per row)", ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        files.append(out / fname)
+    return files
+
+
+def _json_default(x):
+    return x.tolist() if hasattr(x, "tolist") else str(x)
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        configs = check_args(args)
+        dtype = getattr(jnp, args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
+        if args.compare_hf:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        model, model_desc = load_model(args, dtype)
+    except (ValueError, ImportError) as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+
+    load_start = os.getloadavg()
+    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
+    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
+    bench = Bench(args, model, ids, mask)
+    print(f"model {model_desc}: {vb.param_bytes(model) / 2**20:.0f} MiB of weights", flush=True)
+
+    runs, hf_runs, full_tokens = [], [], {}
+    for ev in configs:
+        for n in args.output_lens:
+            r, tokens = bench.run(ev, n)
+            runs.append(r)
+            if ev.method == "full":
+                full_tokens[n] = (r, tokens)
+            print(f"{label(r):>20} n={n:<6} decode {_fmt(r['decode_tok_s'])} tok/s; micro start "
+                  f"{r['tok_s_start']:.1f} end {r['tok_s_end']:.1f}; {r['evictions']} evictions, overhead "
+                  f"{_num(r['evict_overhead'], '.1f', 100, '%')}; cache {r['cache_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+    if args.compare_hf:
+        import torch
+
+        hf = vb.to_hf(model, getattr(torch, jnp.dtype(dtype).name))
+        if jax.default_backend() == "gpu" and torch.cuda.is_available():
+            hf = hf.to("cuda")
+        for n in args.output_lens:
+            for impl in args.hf_caches:
+                h, tokens = bench.run_hf(hf, n, impl)
+                if n in full_tokens:
+                    ours, ours_tokens = full_tokens[n]
+                    h["tokens_equal_to_ours"] = float((tokens == ours_tokens).mean())
+                    a, c = _median(ours["decode_tok_s"]), _median(h["decode_tok_s"])
+                    h["ratio_decode"] = a / c if a and c else None
+                    h["ratio_total"] = h["total_s"]["median"] / ours["total_s"]["median"]
+                hf_runs.append(h)
+                print(f"{label(h):>20} n={n:<6} decode {_fmt(h['decode_tok_s'])} tok/s; ours / HF "
+                      f"{_num(h.get('ratio_decode'), '.2f', suffix='x')}", flush=True)
+
+    # measured last, so that its large arrays do not count in the runs' peak RSS
+    bw = vb.bandwidth(args.bandwidth_mib << 20, args.repeats)
+    bw["used"] = max(bw["numpy_read"], bw["jax_read"])
+    for r in runs:
+        roof = r["roofline"]
+        roof["bound_tok_s"] = args.batch * bw["used"] / roof["bytes_step_mean"]
+        tok_s = _median(r["decode_tok_s"])
+        roof["achieved_over_bound"] = None if tok_s is None else tok_s / roof["bound_tok_s"]
+    segs = segments(runs, args.batch)
+    result = {
+        "meta": {
+            "command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+            "model": model_desc, "config": dataclasses.asdict(model.cfg), "dtype": jnp.dtype(dtype).name,
+            "param_bytes": vb.param_bytes(model), "batch": args.batch, "prompt_len": args.prompt_len,
+            "prompt_bucket": int(ids.shape[1]), "repeats": args.repeats, "warmup": args.warmup,
+            "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
+            "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "load_start": [round(x, 2) for x in load_start],
+            "load_end": [round(x, 2) for x in os.getloadavg()],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "bandwidth": bw, "how": HOW, "runs": runs, "hf": hf_runs, "segments": segs,
+        "summary": summary(runs, segs, args.prompt_len),
+    }
+    text = markdown(result)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        (out / "results.md").write_text(text)
+        if not args.no_plots:
+            plots(result, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""scripts/bench.py: a smoke run on the tiny model (output schema, every figure positive, the replayed cache
+schedule equal to generate's), one-line errors on bad input, and the pieces of `vase_jax.bench` against
+independent references. No timing assertions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import vase_jax as vj
+from vase_jax import bench as vb
+from vase_jax.eviction import framework
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+STAT_KEYS = {"median", "min", "max", "runs"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = ["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--output-lens", "64", "--methods",
+            "full,vase_dkv", "--budgets", "32", "--buffer", "8", "--warmup", "0", "--micro-steps", "4",
+            "--compare-hf", "--hf-caches", "dynamic", "--bandwidth-mib", "16", "--out", str(out)]
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), out
+
+
+def _check_stat(stat: dict, repeats: int = 3):
+    assert set(stat) == STAT_KEYS
+    assert len(stat["runs"]) >= repeats
+    assert 0 < stat["min"] <= stat["median"] <= stat["max"]
+
+
+def test_smoke_outputs_and_positive_figures(smoke):
+    result, out = smoke
+    assert {"meta", "bandwidth", "how", "runs", "hf", "segments", "summary"} <= set(result)
+    for name in ("results.md", "tokens_per_s.png", "memory.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "tokens_per_s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(v > 0 for v in result["bandwidth"].values())
+    runs = {(r["method"], r["output_len"]): r for r in result["runs"]}
+    assert set(runs) == {("full", 64), ("vase_dkv", 64)}
+    for r in runs.values():
+        for key in ("total_s", "prefill_s", "decode_tok_s", "step_ms_start", "step_ms_end"):
+            _check_stat(r[key])
+        for key in ("compile_s", "tok_s_start", "tok_s_end", "cache_bytes", "program_bytes"):
+            assert r[key] > 0, key
+        roof = r["roofline"]
+        assert roof["bytes_step_start"] <= roof["bytes_step_mean"] * 1.5 and roof["bound_tok_s"] > 0
+        assert roof["achieved_over_bound"] > 0
+    full, dkv = runs["full", 64], runs["vase_dkv", 64]
+    assert full["evict_ms"] is None and full["evictions"] == 0 and full["evict_overhead"] == 0
+    _check_stat(dkv["evict_ms"], repeats=5)
+    assert dkv["evictions"] > 0 and dkv["evict_overhead"] > 0
+    hf = result["hf"]
+    assert [h["cache"] for h in hf] == ["dynamic"]
+    _check_stat(hf[0]["decode_tok_s"])
+    assert hf[0]["ratio_decode"] > 0 and hf[0]["ratio_total"] > 0 and 0 <= hf[0]["tokens_equal_to_ours"] <= 1
+
+
+def test_smoke_schedule_and_cache_bytes(smoke):
+    """The replayed schedule (events, final length) equals what generate reports, and the cache bytes equal
+    the layout's formula: 16 tokens left-padded to the 64 bucket, N=32, B=8, 64 new tokens."""
+    result, _ = smoke
+    cfg = vb.TINY
+    for r in result["runs"]:
+        assert r["evictions"] == r["evictions_expected"]
+        assert r["cache_length_end"] == r["cache_length_expected"]
+        per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * (2 * cfg.head_dim * 4 + 4)  # batch 2, k+v f32, pos
+        assert r["cache_bytes"] == r["capacity"] * per_slot + 2 * 4 + 4 * 4  # + row_pos, 4 scalars
+    runs = {r["method"]: r for r in result["runs"]}
+    align = getattr(framework, "CAPACITY_ALIGN", 1)
+    for method, slots in (("full", 64 + 64), ("vase_dkv", max(64, 32 + 48) + 8)):
+        # full: bucket + new tokens; eviction: max(bucket, budget + bucket slack) + buffer; rounded up to `align`
+        assert runs[method]["capacity"] == -(-slots // align) * align
+    # 63 steps: the first event when 40 real tokens are held (step 24), then one every 8 steps: 5 events
+    assert runs["vase_dkv"]["evictions"] == 5 and runs["full"]["cache_length_end"] == 64 + 63
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--methods", "full,nope"], "--methods"),
+    (["--methods", "vase_dkv", "--budgets", "100", "--buffer", "64"], "budget=100"),
+    (["--output-lens", "64,0"], "--output-lens"),
+    (["--output-lens", "6x"], "--output-lens"),
+    (["--repeats", "2"], "--repeats=2"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--model", "tiny", "--layers", "0"], "--layers=0"),
+    (["--compare-hf", "--hf-caches", "paged"], "--hf-caches"),
+])
+def test_bad_input_is_one_line_error_before_any_work(script, args, needle, capsys):
+    try:
+        code = script.main(["--model", "tiny", *args] if "--model" not in args else args)
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.py: error:") and needle in lines[0], captured.err
+    assert captured.out == ""  # nothing measured or compiled
+
+
+def _param_count(cfg: vj.Qwen3Config) -> tuple[int, int]:
+    """(all parameters, embedding table) of a Qwen3 from its config."""
+    e, f, d, hq, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    layer = 2 * e + e * hq * d + 2 * e * hkv * d + hq * d * e + 2 * d + 3 * e * f
+    embed = cfg.vocab_size * e
+    return cfg.num_layers * layer + embed + e + (0 if cfg.tie_word_embeddings else embed), embed
+
+
+@pytest.mark.parametrize("cfg", [vb.TINY, vb.shrink(vb.SMALL, layers=1)], ids=["untied", "tied"])
+def test_weight_bytes_and_hf_export(cfg):
+    import torch
+
+    model = vj.Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    total, embed = _param_count(cfg)
+    assert vb.param_bytes(model) == 4 * total
+    # an untied table is read one row per token; a tied one is the LM head, read whole
+    assert vb.weight_bytes_per_step(model) == 4 * (total - (0 if cfg.tie_word_embeddings else embed))
+    hf = vb.to_hf(model)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_roofline_sums_the_schedule():
+    """Bytes over a run: weights every step + the live slots each step attends + 2x (N + B) slots per event."""
+    model = vj.Qwen3(vb.TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
+    sched = vb.cache_schedule(ev, prompt_slots=16, prompt_tokens=16, capacity=40, max_new_tokens=50)
+    # length after each step: 17..40 -> evict at 40 (> 32, % 8 == 0), then 33..40 -> evict, ...
+    lengths, length, events = [], 16, 0
+    for _ in range(49):
+        lengths.append(length + 1)
+        length += 1
+        if length == 40:
+            length, events = 32, events + 1
+    assert sched.slots_read.tolist() == lengths and sched.events == events == 4 and sched.final_length == 33
+    per_slot = 1 * 2 * 2 * (2 * 32 * 4 + 4)  # batch 1, 2 layers, 2 kv heads
+    w = vb.weight_bytes_per_step(model)
+    roof = vb.roofline(model, ev, sched, batch=1, itemsize=4)
+    total = 49 * w + sum(lengths) * per_slot + events * 2 * 40 * per_slot
+    assert roof["bytes_step_start"] == w + 17 * per_slot and roof["bytes_step_end"] == w + lengths[-1] * per_slot
+    assert math.isclose(roof["bytes_step_mean"], total / 49) and roof["bytes_per_eviction"] == 2 * 40 * per_slot
+
+
+def test_stat_and_decode_rate():
+    s = vb.Stat.of([3.0, 1.0, 2.0])
+    assert (s.median, s.min, s.max) == (2.0, 1.0, 3.0)
+    rate = vb.decode_rate(vb.Stat.of([1.5, 2.0, 3.0]), vb.Stat.of([0.5, 0.5, 0.6]), 100)
+    assert rate.runs == (100.0, 100 / 1.5, 40.0) and rate.min == 40.0 and rate.max == 100.0
+    assert vb.decode_rate(vb.Stat.of([0.4, 2.0, 3.0]), vb.Stat.of([0.5] * 3), 100) is None

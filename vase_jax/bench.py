@@ -1,0 +1,334 @@
+"""Benchmark building blocks (used by `scripts/bench.py`): random models of named shapes, timing statistics,
+memory bandwidth, the bytes a decode step must read, pieces of `generate` timed alone, and HF weight export.
+
+Roofline of one decode step (memory bound at small batch): a step reads every weight once (the embedding
+table only through the tied LM head; an untied table is read one row per token) and, per layer, the K, V and
+`pos` of every live slot:
+
+    bytes(step) = weight_bytes + slots_read * batch * layers * kv_heads * (2 * head_dim * itemsize + 4)
+
+and an eviction event reads and rewrites the `budget + buffer` slots of every layer (2x their bytes). The
+bound on decode tokens/s over a run is batch * steps * bandwidth / sum(bytes) = batch * bandwidth / mean bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vase_jax.cache import KVCache, prefill_cache
+from vase_jax.config import Qwen3Config
+from vase_jax.eviction import framework
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.eviction.registry import METHODS
+from vase_jax.generate import GenerateConfig, decode_step
+from vase_jax.model import Qwen3
+
+# A model for smoke tests (seconds to compile and run).
+TINY = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=1 << 16)
+# Long generations on a CPU: Qwen3's head_dim (128) and GQA group (2) but 12 MB of float32 weights, so that
+# the cache dominates the bytes a step reads after a few thousand tokens (at 8k tokens, batch 2: 67 MB).
+SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=128, tie_word_embeddings=True, max_position_embeddings=1 << 16)
+
+
+# ---- models ------------------------------------------------------------------------------------------------
+def named_configs() -> dict[str, Qwen3Config]:
+    """`tiny`, `small`, and one entry per packaged real config: `qwen3-0.6b`, `qwen3-4b`, ..."""
+    out = {"tiny": TINY, "small": SMALL}
+    for f in sorted(resources.files("vase_jax.data").joinpath("configs").iterdir()):
+        if f.name.endswith(".json"):
+            with resources.as_file(f) as path:
+                out[f.name[: -len(".json")].lower()] = Qwen3Config.from_json_file(path)
+    return out
+
+
+def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None) -> Qwen3Config:
+    """The same shape with fewer (or more) layers and/or another vocabulary size."""
+    for name, v in (("layers", layers), ("vocab", vocab)):
+        if v is not None and v < 1:
+            raise ValueError(f"--{name}={v} must be >= 1")
+    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size)
+
+
+def param_bytes(model: Qwen3) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ---- statistics and timing ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """Median, min and max of repeated measurements (and the raw values)."""
+
+    median: float
+    min: float
+    max: float
+    runs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values) -> Stat:
+        values = tuple(float(v) for v in values)
+        return cls(statistics.median(values), min(values), max(values), values)
+
+    def map(self, fn: Callable[[float], float]) -> Stat:
+        """The statistics of `fn` applied to every run (e.g. seconds -> tokens/s)."""
+        return Stat.of(fn(v) for v in self.runs)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def time_runs(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Stat:
+    """Wall seconds of `fn()` (result passed to `jax.block_until_ready`), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return Stat.of(times)
+
+
+def decode_rate(total: Stat, prefill: Stat, tokens: int) -> Stat | None:
+    """tokens / (total - median prefill) per run; None when a run is not longer than the prefill (too short to
+    separate the decode steps from the noise)."""
+    decode = [t - prefill.median for t in total.runs]
+    return None if min(decode) <= 0 else Stat.of(tokens / d for d in decode)
+
+
+def bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
+    """Measured memory bandwidth in bytes/s: read (a sum) with NumPy and with JAX, and a JAX in-place copy
+    ((read + write) bytes of `x + 1`). The roofline uses the larger read figure."""
+    n = num_bytes // 4
+    host = np.ones(n, np.float32)
+    numpy_sum = time_runs(lambda: host.sum(), repeats, warmup=1).min
+    dev = jnp.ones((n,), jnp.float32)
+    jax_sum = time_runs(lambda: _sum(dev), repeats, warmup=1).min
+    box = [dev]
+
+    def add_one():  # in place (donated), so no fresh pages are touched
+        box[0] = _add_one(box[0])
+        return box[0]
+
+    jax_copy = time_runs(add_one, repeats, warmup=1).min
+
+    return {
+        "numpy_read": num_bytes / numpy_sum,
+        "jax_read": num_bytes / jax_sum,
+        "jax_copy": 2 * num_bytes / jax_copy,
+    }
+
+
+_sum = jax.jit(jnp.sum)
+_add_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+
+# ---- bytes per decode step ---------------------------------------------------------------------------------
+def weight_bytes_per_step(model: Qwen3) -> int:
+    """Parameter bytes a decode step reads: all, except an untied embedding table (one row per token)."""
+    total = param_bytes(model)
+    if not model.cfg.tie_word_embeddings:
+        total -= model.embedding[...].size * model.embedding[...].dtype.itemsize
+    return total
+
+
+def slot_bytes(cfg: Qwen3Config, batch: int, itemsize: int) -> int:
+    """Bytes of one cache slot over the batch and every layer: K and V (head_dim each) and the int32 `pos`."""
+    return batch * cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim * itemsize + 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The cache over a fixed-length generation, as `generate` runs it."""
+
+    slots_read: np.ndarray  # [steps] slots each decode step attends over (its own new slot included)
+    events: int  # eviction events
+    final_length: int  # slots in use at the end
+
+
+def cache_schedule(
+    eviction: EvictionConfig, prompt_slots: int, prompt_tokens: int, capacity: int, max_new_tokens: int
+) -> Schedule:
+    """Replay the loop of `generate`: step s writes slot `length` and attends over `length + 1` slots; after
+    each step the eviction of `framework.should_evict` (real tokens > N and a multiple of B, or a full cache)
+    sets the length back to N. `prompt_slots` counts padding, `prompt_tokens` the longest row's real
+    tokens."""
+    length, seen, events = prompt_slots, prompt_tokens, 0
+    reads = np.empty(max_new_tokens - 1, np.int64)
+    for s in range(max_new_tokens - 1):
+        reads[s] = length + 1
+        length, seen = length + 1, seen + 1
+        if eviction.evicts and (
+            (seen > eviction.budget and seen % eviction.buffer == 0) or length >= capacity
+        ):
+            length = seen = eviction.budget
+            events += 1
+    return Schedule(reads, events, length)
+
+
+def roofline(model: Qwen3, eviction: EvictionConfig, schedule: Schedule, batch: int, itemsize: int) -> dict:
+    """Bytes a decode step reads at the start, at the end and on average over the run (eviction events
+    amortized). The tokens/s bound at read bandwidth `bw` is batch * bw / bytes_step_mean."""
+    w = weight_bytes_per_step(model)
+    per_slot = slot_bytes(model.cfg, batch, itemsize)
+    evict_bytes = 2 * (eviction.budget + eviction.buffer) * per_slot if eviction.evicts else 0
+    steps = len(schedule.slots_read)
+    total = steps * w + int(schedule.slots_read.sum()) * per_slot + schedule.events * evict_bytes
+    return {
+        "weight_bytes": w,
+        "bytes_step_start": w + int(schedule.slots_read[0]) * per_slot,
+        "bytes_step_end": w + int(schedule.slots_read[-1]) * per_slot,
+        "bytes_step_mean": total / steps,
+        "bytes_per_eviction": evict_bytes,
+    }
+
+
+# ---- pieces of generate, timed alone -----------------------------------------------------------------------
+def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfig, seed: int = 0):
+    """Random ids, every row `prompt_len` real tokens, left-padded to the prompt bucket as `generate` does.
+    Returns (input_ids, attention_mask) [batch, bucket] int32."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (batch, prompt_len), dtype=np.int32)
+    bucket = config.bucket(prompt_len)
+    ids = np.pad(ids, ((0, 0), (bucket - prompt_len, 0)), constant_values=config.pad_id)
+    mask = np.pad(np.ones((batch, prompt_len), np.int32), ((0, 0), (bucket - prompt_len, 0)))
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def window_for(eviction: EvictionConfig) -> int:
+    """Query ring size of the cache `generate` builds (the buffer for attention-scored methods, else 0)."""
+    return eviction.buffer if eviction.evicts and METHODS[eviction.method].needs_queries else 0
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int):
+    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots and the
+    first (greedy) token. Returns (first token [batch], cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
+    cache = prefill_cache(
+        model.cfg, keys, values, queries if window else None, attention_mask, capacity, window
+    )
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+def filled_cache(
+    cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0
+) -> KVCache:
+    """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1)."""
+    key = jax.random.key(seed)
+    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    pos = jnp.broadcast_to(jnp.where(slot < length, slot, -1), shape[:3])  # [batch, kv_heads, capacity]
+    ks, vs, qs = [], [], []
+    for i in range(cfg.num_layers):
+        kk, kv, kq = jax.random.split(jax.random.fold_in(key, i), 3)
+        ks.append(jax.random.normal(kk, shape, jnp.float32).astype(dtype))
+        vs.append(jax.random.normal(kv, shape, jnp.float32).astype(dtype))
+        if window:
+            q_shape = (batch, cfg.num_kv_heads, cfg.group, window, cfg.head_dim)
+            qs.append(jax.random.normal(kq, q_shape, jnp.float32).astype(dtype))
+    # every leaf its own buffer, so the cache can be donated
+    return KVCache(k=tuple(ks), v=tuple(vs), pos=tuple(jnp.array(pos) for _ in ks), queries=tuple(qs),
+                   query_valid=jnp.ones((batch, window), bool), row_pos=jnp.full((batch,), length, jnp.int32),
+                   length=jnp.array(length, jnp.int32), seen=jnp.array(length, jnp.int32),
+                   time=jnp.array(length, jnp.int32), evictions=jnp.array(0, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
+def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str):
+    """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
+    The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token)."""
+    model = nnx.merge(graphdef, state)
+    cache = cache.replace(length=start, seen=start, time=start, row_pos=jnp.full_like(cache.row_pos, start))
+
+    def body(_, carry):
+        c, tok = carry
+        logits, c = decode_step(model, c, tok, attention_impl)
+        return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, steps, body, (cache, token))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids) -> KVCache:
+    """One `framework.evict` event on a cache holding `budget + buffer` slots (the state at a trigger). The
+    cache is donated and its length restored afterwards, so calls can repeat on the returned cache."""
+    full = jnp.int32(eviction.budget + eviction.buffer)
+    out = framework.evict(cache.replace(length=full, seen=full), eviction, key, row_ids)
+    return out.replace(pos=cache.pos, length=full, seen=full)
+
+
+# ---- Hugging Face export -----------------------------------------------------------------------------------
+def hf_config(cfg: Qwen3Config):
+    """The `transformers.Qwen3Config` of the same shape."""
+    from transformers import Qwen3Config as HFConfig
+
+    return HFConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def hf_state_dict(model: Qwen3) -> dict[str, np.ndarray]:
+    """Our parameters under HF names and layouts (the inverse of `vase_jax.weights`' mapping), as float32."""
+    cfg = model.cfg
+    e = cfg.hidden_size
+
+    def a(p) -> np.ndarray:
+        return np.asarray(p[...], np.float32)
+
+    out = {"model.embed_tokens.weight": a(model.embedding), "model.norm.weight": a(model.norm.weight)}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if model.lm_head is None else a(model.lm_head).T
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        at = layer.attn
+        out |= {
+            p + "input_layernorm.weight": a(layer.input_norm.weight),
+            p + "post_attention_layernorm.weight": a(layer.post_attn_norm.weight),
+            p + "self_attn.q_proj.weight": a(at.q_proj).reshape(e, -1).T,  # [e, hq, d] -> [hq * d, e]
+            p + "self_attn.k_proj.weight": a(at.k_proj).reshape(e, -1).T,
+            p + "self_attn.v_proj.weight": a(at.v_proj).reshape(e, -1).T,
+            p + "self_attn.o_proj.weight": a(at.o_proj).reshape(-1, e).T,  # [hq, d, e] -> [e, hq * d]
+            p + "self_attn.q_norm.weight": a(at.q_norm.weight),
+            p + "self_attn.k_norm.weight": a(at.k_norm.weight),
+            p + "mlp.gate_proj.weight": a(layer.mlp.gate_proj).T,
+            p + "mlp.up_proj.weight": a(layer.mlp.up_proj).T,
+            p + "mlp.down_proj.weight": a(layer.mlp.down_proj).T,
+        }
+    return out
+
+
+def to_hf(model: Qwen3, torch_dtype=None):
+    """A `transformers.Qwen3ForCausalLM` holding `model`'s weights (eval mode)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    torch_dtype = torch_dtype or torch.float32
+    hf = Qwen3ForCausalLM(hf_config(model.cfg)).eval()
+    state = {k: torch.from_numpy(np.array(v, np.float32, copy=True)) for k, v in hf_state_dict(model).items()}
+    hf.load_state_dict(state, strict=True)
+    return hf.to(torch_dtype)
