@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--buffer", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=1536, help="decode length for tokens/s")
+    p.add_argument("--new-tokens", type=int, default=768, help="decode length for tokens/s")
+    p.add_argument("--prompt-len", type=int, default=1000,
+                   help="prompt tokens for the tokens/s run (near the budget, so that eviction runs from the start)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--out", default="runs/methods")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from vase_jax.cache import prefill_cache
     from vase_jax.eviction import METHODS, framework
 
-    methods = [m for m in args.methods.split(",") if m] or sorted(m for m in METHODS if m != "full")
+    methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(m for m in METHODS if m != "full")
     try:
         configs = [vj.EvictionConfig(m, budget=args.budget, buffer=args.buffer).validate() for m in methods]
     except ValueError as e:
@@ -87,46 +89,64 @@ def main(argv: list[str] | None = None) -> int:
     row_ids = jnp.arange(args.batch, dtype=jnp.int32)
     key = jax.random.key(0)
     kept_by = {}
-    for ev in configs:
+    for ev in (c for c in configs if c.evicts):
         kept_by[ev.method] = [np.asarray(framework.select_layer(cache, layer, ev, jax.random.fold_in(key, layer),
                                                                 jax.random.fold_in(key, 100 + layer), row_ids))
                               for layer in range(cfg.num_layers)]
-    ref_name = "snapkv" if "snapkv" in kept_by else methods[0]
+    ref_name = "snapkv" if "snapkv" in kept_by else next(iter(kept_by), "snapkv")
 
-    def overlap(a, b):
-        return float(np.mean([len(set(x) & set(y)) / len(x) for la, lb in zip(a, b, strict=True)
-                              for x, y in zip(la.reshape(-1, la.shape[-1]), lb.reshape(-1, lb.shape[-1]),
-                                              strict=True)]))
+    num_candidates = ids.shape[1] - args.buffer  # every candidate slot is valid here (no padding)
+
+    def overlap(a, b, evicted: bool = False):
+        """Mean over (layer, row, kv head) of |A & B| / |A|, A and B the kept (or the evicted) slot sets."""
+        out = []
+        for la, lb in zip(a, b, strict=True):
+            for x, y in zip(la.reshape(-1, la.shape[-1]), lb.reshape(-1, lb.shape[-1]), strict=True):
+                x, y = set(x.tolist()), set(y.tolist())
+                if evicted:
+                    x, y = set(range(num_candidates)) - x, set(range(num_candidates)) - y
+                out.append(len(x & y) / len(x))
+        return float(np.mean(out))
 
     rows = []
-    prompt = vj.encode_prompts(tok, ["Solve: " + text[:200]] * args.batch)
+    prompt_ids = ids[:, : args.prompt_len]
     gen = vj.GenerateConfig(max_new_tokens=args.new_tokens, temperature=0.0, eos_token_ids=())
     for ev in configs:
-        evict = jax.jit(lambda c, ev=ev: framework.evict(c, ev, key, row_ids))
-        jax.block_until_ready(evict(cache))
-        t_evict = _median_time(lambda ev_fn=evict: jax.block_until_ready(ev_fn(cache)), args.repeats)
-        run = lambda ev=ev: vj.generate(model, prompt.input_ids, prompt.attention_mask,  # noqa: E731
+        t_evict = None
+        if ev.evicts:
+            evict = jax.jit(lambda c, ev=ev: framework.evict(c, ev, key, row_ids))
+            jax.block_until_ready(evict(cache))
+            t_evict = 1e3 * _median_time(lambda ev_fn=evict: jax.block_until_ready(ev_fn(cache)), args.repeats)
+        run = lambda ev=ev: vj.generate(model, prompt_ids, np.ones_like(prompt_ids),  # noqa: E731
                                         key=key, config=gen, eviction=ev).tokens.block_until_ready()
         t0 = time.perf_counter()
         run()
         compile_and_run = time.perf_counter() - t0
         t_gen = _median_time(run, args.repeats)
-        rows.append({"method": ev.method, "overlap_with_" + ref_name: overlap(kept_by[ev.method], kept_by[ref_name]),
-                     "evict_ms": 1e3 * t_evict, "tokens_per_s": args.batch * args.new_tokens / t_gen,
-                     "first_call_s": compile_and_run})
+        both = ev.method in kept_by and ref_name in kept_by
+        same = overlap(kept_by[ev.method], kept_by[ref_name]) if both else None
+        same_evicted = overlap(kept_by[ev.method], kept_by[ref_name], evicted=True) if both else None
+        rows.append({"method": ev.method, "overlap_with_" + ref_name: same,
+                     "evicted_overlap_with_" + ref_name: same_evicted, "evict_ms": t_evict,
+                     "tokens_per_s": args.batch * args.new_tokens / t_gen, "first_call_s": compile_and_run})
         print(json.dumps(rows[-1]), flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": name, "budget": args.budget, "buffer": args.buffer, "batch": args.batch,
-            "new_tokens": args.new_tokens, "dtype": args.dtype, "jax": jax.__version__,
+            "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "dtype": args.dtype, "jax": jax.__version__,
             "device": jax.devices()[0].device_kind, "repeats": args.repeats}
     (out / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Model: {name}, {args.dtype}; N={args.budget}, B={args.buffer}, batch {args.batch}, "
-             f"{args.new_tokens} greedy tokens; median of {args.repeats}.", "",
-             f"| method | kept-set overlap with {ref_name} | eviction ms/event | decode tokens/s |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['overlap_with_' + ref_name]:.2f} | {r['evict_ms']:.1f} | "
+             f"{args.prompt_len}-token prompt, {args.new_tokens} greedy tokens; median of {args.repeats}.", "",
+             f"| method | kept-set overlap with {ref_name} | evicted-set overlap with {ref_name} | eviction ms/event "
+             "| decode tokens/s |",
+             "|---|---|---|---|---|"]
+    def fmt(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    lines += [f"| {r['method']} | {fmt(r['overlap_with_' + ref_name], '.3f')} | "
+              f"{fmt(r['evicted_overlap_with_' + ref_name], '.3f')} | {fmt(r['evict_ms'], '.1f')} | "
               f"{r['tokens_per_s']:.1f} |" for r in rows]
     (out / "methods.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
