@@ -26,28 +26,6 @@ class SamplingConfig:
         return self
 
 
-def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Temperature, then top-k, then top-p on float32 logits [batch, vocab]; removed tokens get -inf.
-
-    top-k keeps every token whose logit reaches the k-th largest (ties kept, as HF does). top-p keeps the smallest
-    prefix of the tokens sorted by probability whose mass reaches `top_p`: token i survives iff the mass of the
-    tokens ranked strictly before it is < top_p (HF `TopPLogitsWarper`), so the most likely token always survives.
-    """
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k > 0:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]  # [batch, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)  # [batch, vocab], most likely first
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs  # [batch, vocab]
-        keep_sorted = mass_before < cfg.top_p
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
-    return logits
-
-
 def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Index drawn from unnormalized probs [batch, n] with uniforms u [batch]: the first i with cdf_i > u * total."""
     cdf = jnp.cumsum(probs, axis=-1)
@@ -81,25 +59,40 @@ def _nucleus_unsorted(probs: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(bits >= lo[:, None], probs, 0.0)
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
-    """logits: [batch, vocab] -> tokens [batch] int32, from the distribution of `filter_logits`.
+def filtered_distribution(logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
+    """Temperature, then top-k, then top-p on logits [batch, vocab] (HF's order), in float32.
 
-    Row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the CDF of its filtered distribution, so a
-    row's sample does not depend on the other rows of the batch. Nothing sorts the vocabulary: top-k works on the
-    `lax.top_k` candidates, top-p alone finds its threshold by bisection (`_nucleus_unsorted`).
+    Returns (probs [batch, n], ids): unnormalized probabilities, 0 outside the kept set; `ids` [batch, n] are the
+    vocabulary ids of the n columns (the top-k candidates, best first), or None when the columns are the whole
+    vocabulary. top-p keeps token i iff the mass of the tokens ranked strictly before it is < top_p (HF
+    `TopPLogitsWarper`), so the most likely token always survives. Nothing sorts the vocabulary: top-k works on the
+    `lax.top_k` candidates (exactly k, where HF also keeps ties of the k-th logit), top-p alone finds its threshold
+    by bisection (`_nucleus_unsorted`).
     """
-    if cfg.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    u = jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row)))(row_ids)  # [batch]
     logits = logits.astype(jnp.float32) / cfg.temperature
     if cfg.top_k > 0:
         cand_logits, cand_ids = jax.lax.top_k(logits, min(cfg.top_k, logits.shape[-1]))  # [batch, k], descending
         cand_probs = jax.nn.softmax(cand_logits, axis=-1)  # top-k renormalizes before top-p, as HF does
         if cfg.top_p < 1.0:
             cand_probs = _nucleus_sorted(cand_probs, cfg.top_p)
-        idx = _inverse_cdf(cand_probs, u)
-        return jnp.take_along_axis(cand_ids, idx[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return cand_probs, cand_ids
     probs = jax.nn.softmax(logits, axis=-1)  # [batch, vocab]
     if cfg.top_p < 1.0:
         probs = _nucleus_unsorted(probs, cfg.top_p)
-    return _inverse_cdf(probs, u).astype(jnp.int32)
+    return probs, None
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
+    """logits: [batch, vocab] -> tokens [batch] int32, drawn from `filtered_distribution` (argmax if greedy).
+
+    Row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the CDF of its filtered distribution, so a
+    row's sample does not depend on the other rows of the batch.
+    """
+    if cfg.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    u = jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row)))(row_ids)  # [batch]
+    probs, ids = filtered_distribution(logits, cfg)
+    idx = _inverse_cdf(probs, u)  # [batch]
+    if ids is not None:
+        idx = jnp.take_along_axis(ids, idx[:, None], axis=-1)[:, 0]
+    return idx.astype(jnp.int32)
