@@ -32,6 +32,7 @@ import vase_jax as vj
 from vase_jax import bench as vb
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
+from vase_jax.generate import query_window
 
 HOW = {
     "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
@@ -195,7 +196,7 @@ class Bench:
         if key not in self.memo:
             cfg, dtype = self.model.cfg, self.model.dtype
             full = ev.budget + ev.buffer
-            box = [vb.filled_cache(cfg, self.batch, capacity, full, vb.window_for(ev), dtype, self.args.seed)]
+            box = [vb.filled_cache(cfg, self.batch, capacity, full, query_window(ev), dtype, self.args.seed)]
             rkey, rows = jax.random.key(self.args.seed), jnp.arange(self.batch, dtype=jnp.int32)
 
             def call():
@@ -210,7 +211,7 @@ class Bench:
         args, b, t = self.args, self.batch, self.ids.shape[1]
         gen = vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0)
         capacity = framework.capacity_for(ev, t, t - args.prompt_len, n)
-        window = vb.window_for(ev)
+        window = query_window(ev)
         key = jax.random.key(args.seed)
         graphdef = self.graphdef
 

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     import vase_jax as vj
-    from vase_jax.cache import prefill_cache
     from vase_jax.eviction import METHODS, framework
+    from vase_jax.generate import prefill
 
     methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(m for m in METHODS if m != "full")
     try:
@@ -83,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     (Path(vj.__file__).parent / "data" / "tasks" / "math" / "test.jsonl").open())
     ids = np.asarray(tok(text)["input_ids"][: args.budget + args.buffer], np.int32)[None].repeat(args.batch, 0)
     mask = np.ones_like(ids)
-    logits, keys, values, queries = jax.jit(model.prefill)(jnp.asarray(ids), jnp.asarray(mask))
-    capacity = ids.shape[1] + 64
-    cache = prefill_cache(cfg, keys, values, queries, jnp.asarray(mask), capacity, args.buffer)
+    _, cache = jax.jit(prefill, static_argnums=(3, 4))(model, jnp.asarray(ids), jnp.asarray(mask),
+                                                         ids.shape[1] + 64, args.buffer)  # every method's queries
     row_ids = jnp.arange(args.batch, dtype=jnp.int32)
     key = jax.random.key(0)
     kept_by = {}

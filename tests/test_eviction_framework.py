@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import vase_jax as vj
-from vase_jax.cache import cache_bytes, prefill_cache
+from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, framework
-from vase_jax.generate import decode_step
+from vase_jax.generate import decode_step, prefill, query_window
 
 EVICTING = sorted(m for m in METHODS if m != "full")
 SINK_METHODS = ("vase_attnv", "curdkv", "vase_dkv")
@@ -64,10 +64,8 @@ def drive(model, ids, mask, ev, max_new, key):
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     t = ids.shape[1]
     cap = framework.capacity_for(ev, t, 0, max_new)
-    logits, k, v, q = model.prefill(ids, mask)
-    cache = prefill_cache(model.cfg, k, v, q if METHODS[ev.method].needs_queries else None, mask, cap,
-                          ev.buffer if METHODS[ev.method].needs_queries else 0)
-    token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    logits, cache = prefill(model, ids, mask, cap, query_window(ev))
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
     tokens, events = [token], []
     _, evict_key = jax.random.split(key)
     row_ids = jnp.arange(ids.shape[0], dtype=jnp.int32)

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vase_jax.cache import KVCache, prefill_cache
+from vase_jax.cache import KVCache
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.eviction.registry import METHODS
 from vase_jax.generate import GenerateConfig, decode_step
+from vase_jax.generate import prefill as generate_prefill
 from vase_jax.model import Qwen3
 
 # A model for smoke tests (seconds to compile and run).
@@ -206,21 +206,12 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def window_for(eviction: EvictionConfig) -> int:
-    """Query ring size of the cache `generate` builds (the buffer for attention-scored methods, else 0)."""
-    return eviction.buffer if eviction.evicts and METHODS[eviction.method].needs_queries else 0
-
-
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int):
     """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots and the
     first (greedy) token. Returns (first token [batch], cache)."""
-    model = nnx.merge(graphdef, state)
-    logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
-    cache = prefill_cache(
-        model.cfg, keys, values, queries if window else None, attention_mask, capacity, window
-    )
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+    logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 def filled_cache(

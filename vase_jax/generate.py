@@ -162,18 +162,13 @@ def generate(
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
               eviction: EvictionConfig, capacity: int) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
-    cfg = model.cfg
     b = input_ids.shape[0]
     sample_key, evict_key = jax.random.split(key)
-    needs_queries = eviction.evicts and METHODS[eviction.method].needs_queries
-    window = eviction.buffer if needs_queries else 0
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 
     with jax.named_scope("prefill"):
-        logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
-        cache = prefill_cache(cfg, keys, values, queries if needs_queries else None, attention_mask,
-                              capacity, window)
-        first = sample(logits[:, -1], jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
+        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction))
+        first = sample(logits, jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
 
     tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
@@ -207,6 +202,21 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
                           evictions=final.cache.evictions, cache_length=final.cache.length,
                           cache=final.cache if config.return_cache else None)
+
+
+def query_window(eviction: EvictionConfig) -> int:
+    """Query ring size of the cache: the buffer for attention-scored eviction methods, else 0 (no ring)."""
+    return eviction.buffer if eviction.evicts and METHODS[eviction.method].needs_queries else 0
+
+
+def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int):
+    """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
+
+    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`).
+    """
+    logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
+    cache = prefill_cache(model.cfg, keys, values, queries if window else None, attention_mask, capacity, window)
+    return logits[:, -1], cache
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto"):
