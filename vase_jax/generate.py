@@ -142,6 +142,30 @@ def generate(
     Prompts longer than `eviction.budget` are kept whole until the first eviction, which then runs over more than
     `budget` candidates (as the reference does); the capacity grows to hold them.
     """
+    return _generate(*_prepare(model, input_ids, attention_mask, key, config, eviction, row_ids))
+
+
+def lower_generate(
+    model: Qwen3,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    key: jax.Array,
+    config: GenerateConfig = DEFAULT_CONFIG,
+    eviction: EvictionConfig = NO_EVICTION,
+    row_ids: jax.Array | None = None,
+    platforms: tuple[str, ...] | None = None,
+) -> jax.stages.Lowered:
+    """The `generate` program lowered for `platforms` (e.g. `("cuda",)` or `("tpu",)`, default: this host's),
+    without running it: the same validation and padding as `generate`. Lowering for a platform the host does not
+    have checks that every kernel of that platform lowers (`.as_text()` shows the program)."""
+    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids)
+    traced = _generate.trace(*args)
+    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+
+def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids):
+    """Validate, pad the prompt to its bucket and split the model: the arguments of `_generate`."""
     input_ids = jnp.asarray(input_ids)
     attention_mask = jnp.asarray(attention_mask)
     _validate_inputs(model, input_ids, attention_mask, config, eviction)
@@ -154,8 +178,8 @@ def generate(
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
-                     jnp.asarray(row_ids, jnp.int32), config, eviction, capacity)
+    return (graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
+            jnp.asarray(row_ids, jnp.int32), config, eviction, capacity)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
