@@ -46,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
                      help="a tiny random Qwen3 built in memory (offline smoke runs; answers are noise)")
     p.add_argument("--task", required=True, help="gsm8k, math500, aime24/25/26, hmmt25, amc, minerva, "
-                   "olympiadbench, gpqa (gpqa needs --data)")
-    p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set")
+                   "olympiadbench, gpqa (gpqa needs --data), livecodebench (needs --data or --tests-dir)")
+    p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set (livecodebench: "
+                   "the official release file, or the authors' test.jsonl with --tests-dir)")
+    p.add_argument("--tests-dir", help="livecodebench: folder of the authors' per-problem test files "
+                   "(<global_id>.json, md5-checked); prompts from --data or the packaged test.jsonl")
     p.add_argument("--methods", type=_csv(str), default=("full", "vase_attnv"),
                    help="comma list of eviction methods; 'full' = no eviction (default: full,vase_attnv)")
     p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: warning: {msg}", file=sys.stderr)
 
     from vase_jax import evaluation as ev
+    from vase_jax.tasks import get_task
 
     model = f"random:{args.random_model}" if args.random_model else args.model
     try:
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
+            tests_dir=args.tests_dir,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():
@@ -107,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.write_config(cfg, out)
     wanted = ev.wanted_keys(cfg, problems)
     todo = sum(k not in store for k in wanted)
+    if todo and get_task(cfg.task).grader == "code":  # say once what the sandbox contains, and what not
+        from vase_jax.sandbox import SandboxError, probe
+
+        try:
+            print(probe().describe(), file=sys.stderr)
+        except SandboxError as e:
+            return fail(f"--task {cfg.task}: model code cannot be run safely here: {e}")
     if todo:
         print(f"{PROG}: {cfg.task}: {len(problems)} problems x {cfg.samples} samples x {len(cfg.variants)} "
               f"variants; {len(wanted) - todo} done, {todo} to go -> {out}", file=sys.stderr)

@@ -48,7 +48,7 @@ def _sample(problems: list[Problem]) -> list[Problem]:
 def test_registry_defaults_follow_spec_section_6():
     expected = {  # task: (R, N)
         "aime24": (16, 4096), "aime25": (16, 4096), "aime26": (16, 4096), "hmmt25": (16, 4096),
-        "gpqa": (8, 2048), "math500": (8, 1024), "gsm8k": (4, 512),
+        "gpqa": (8, 2048), "math500": (8, 1024), "gsm8k": (4, 512), "livecodebench": (8, 2048),
     }  # fmt: skip
     assert set(TASKS) == {*expected, "amc", "minerva", "olympiadbench"}
     for name, (samples, budget) in expected.items():

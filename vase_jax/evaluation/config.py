@@ -40,6 +40,7 @@ class EvalConfig:
     model: str  # hub id, absolute local folder, or "random:<name>"
     task: str
     data: str | None  # user data file (None: the packaged set)
+    tests_dir: str | None  # livecodebench: the folder of the authors' test files (None: tests in --data)
     data_sha256: str  # of the data file's bytes: a changed file is a different run
     methods: tuple[str, ...]
     budgets: tuple[int, ...]
@@ -113,13 +114,20 @@ def _positive(name: str, value, allow_none: bool = False, minimum: int = 1):
 
 
 def data_sha256(task: Task, data: str | None) -> str:
-    """sha256 of the task's data file (the user's, or the packaged one)."""
+    """sha256 of the task's data file (the user's, or the packaged one; LiveCodeBench: the packaged prompts,
+    whose md5 column pins the content of the test files)."""
     if data is not None:
-        raw = Path(data).read_bytes()
-    else:
-        res = importlib.resources.files("vase_jax").joinpath("data", "tasks", task.data_dir, "test.jsonl")
-        raw = res.read_bytes()
-    return hashlib.sha256(raw).hexdigest()
+        h = hashlib.sha256()
+        with open(data, "rb") as fh:  # a LiveCodeBench release file can be gigabytes
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    if task.grader == "code":
+        from vase_jax.tasks.livecodebench import packaged_prompts
+
+        return hashlib.sha256(packaged_prompts().read_bytes()).hexdigest()
+    res = importlib.resources.files("vase_jax").joinpath("data", "tasks", task.data_dir, "test.jsonl")
+    return hashlib.sha256(res.read_bytes()).hexdigest()
 
 
 def check_model(model: str) -> str:
@@ -156,6 +164,7 @@ def resolve(
     temperature: float | None = None,
     top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
+    tests_dir: str | None = None,
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -186,12 +195,20 @@ def resolve(
     samples = samples or t.samples
     if data is not None and not os.path.isfile(data):
         raise ValueError(f"--data={data!r} is not an existing file")
-    if data is None and t.data_dir is None:
+    if tests_dir is not None and t.grader != "code":
+        raise ValueError(f"--tests-dir is only for --task livecodebench, not {t.name}")
+    if tests_dir is not None and not os.path.isdir(tests_dir):
+        raise ValueError(f"--tests-dir={tests_dir!r} is not an existing folder")
+    if t.grader == "code" and data is None and tests_dir is None:
+        raise ValueError(f"--task {t.name} needs its test cases: pass --data RELEASE.jsonl (the official "
+                         "release file) or --tests-dir DIR (the authors' test files; prompts packaged)")
+    if data is None and t.data_dir is None and t.grader != "code":
         raise ValueError(f"--task {t.name} has no packaged data; pass --data FILE.jsonl "
                          "(format: vase_jax/data/tasks/README.md)")
     cfg = EvalConfig(
         model=check_model(model), task=t.name, data=str(Path(data).resolve()) if data else None,
-        data_sha256="", methods=methods, budgets=budgets, buffer=buffer, value_slots=value_slots,
+        tests_dir=str(Path(tests_dir).resolve()) if tests_dir else None, data_sha256="", methods=methods,
+        budgets=budgets, buffer=buffer, value_slots=value_slots,
         samples=samples, max_new_tokens=max_new_tokens,
         max_total_tokens=max_total_tokens or t.max_total_tokens,
         temperature=t.temperature if temperature is None else float(temperature),
@@ -209,7 +226,7 @@ def resolve(
         except ValueError as e:
             raise ValueError(f"--methods {method} --budgets {budget}: {e}") from None
     try:
-        problems = load_problems(t, data, cfg.limit)
+        problems = load_problems(t, data, cfg.limit, tests_dir=tests_dir)
     except ValueError as e:
         raise ValueError(f"--data: {e}" if data else str(e)) from None
     if not problems:

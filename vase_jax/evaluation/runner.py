@@ -9,6 +9,9 @@ Batches. The R samples of a problem run as rows of one batch of the same prompt 
 `batch_size < R`, as chunks of `batch_size` rows, the last chunk padded with copies of its last row
 (discarded) so that every call has the same shape. A chunk runs if any of its samples lacks a record; only
 the missing ones are written. Compiles: one per (prompt bucket, method, budget).
+
+Code tasks (livecodebench) are graded by running each sample's code on the problem's tests in
+`vase_jax.sandbox` (tests in parallel on the CPU cores); the record's `reason` says why a sample failed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 from vase_jax.evaluation.config import RANDOM_HEAD_SCALE, RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
 from vase_jax.evaluation.records import Key, RecordStore
-from vase_jax.tasks import Problem, extract_answer, get_task, grade
+from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
 
 
 def stable_id(task: str, problem_id: str) -> int:
@@ -120,11 +123,16 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
         done = bool(finished[r]) and n <= cap  # an end token beyond the exact cap does not count
         n = min(n, cap)
         text = tokenizer.decode(tokens[r, :n].tolist(), skip_special_tokens=True)
+        if task.grader == "code":  # run the code on the tests in the sandbox; keep the verdict's reason
+            verdict = livecodebench.grade(chunk.problem, text)
+            correct, why = verdict.passed, {"reason": verdict.reason}
+        else:
+            correct, why = bool(grade(text, chunk.problem)), {}
         rec = {
             "task": cfg.task, "problem_id": chunk.problem.id, "sample": sample, "method": chunk.method,
             "budget": chunk.budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
             "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
-            "gold": chunk.problem.answer, "correct": bool(grade(text, chunk.problem)),
+            "gold": chunk.problem.answer, "correct": correct, **why,
             "evictions": int(evictions), "seconds": round(seconds / len(chunk.samples), 4),
         }
         if cfg.save_text:

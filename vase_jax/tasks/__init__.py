@@ -1,5 +1,6 @@
 """Evaluation tasks: packaged data, prompts, answer extraction, grading, pass@1 (used by scripts/eval.py)."""
 
+from vase_jax.tasks import livecodebench
 from vase_jax.tasks.datasets import Problem, load_problems
 from vase_jax.tasks.grading import extract_answer, grade, is_correct, math_equal
 from vase_jax.tasks.metrics import pass_at_1
@@ -14,6 +15,7 @@ __all__ = [
     "get_task",
     "grade",
     "is_correct",
+    "livecodebench",
     "load_problems",
     "math_equal",
     "pass_at_1",

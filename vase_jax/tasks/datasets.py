@@ -32,6 +32,7 @@ class Problem:
     question: str  # stripped question text, before the prompt suffix
     answer: str  # gold answer, normalized as described in the module docstring
     choices: tuple[str, ...] | None = None  # GPQA option texts when the file provides them
+    tests: object = None  # code tasks: where the test cases are (`.load()` -> livecodebench.CodeTests)
 
 
 def _gold(raw: object, task: Task, where: str) -> str:
@@ -92,16 +93,25 @@ def _read_text(task: Task, data_path: str | Path | None) -> tuple[str, str]:
 
 
 def load_problems(
-    task_name: str | Task, data_path: str | Path | None = None, limit: int | None = None
+    task_name: str | Task, data_path: str | Path | None = None, limit: int | None = None,
+    tests_dir: str | Path | None = None,
 ) -> list[Problem]:
     """Problems of `task_name`, in file order, from the packaged set or from `data_path` (same JSONL format).
 
     `limit` keeps the first `limit` problems (None: all; the GSM8K case study uses `task.num_problems` = 500).
-    Blank lines are skipped. Raises ValueError naming the file and line for malformed input.
+    Blank lines are skipped. Raises ValueError naming the file and line for malformed input. Code tasks
+    (livecodebench) read their own formats and need test cases: see `vase_jax.tasks.livecodebench.load`;
+    `tests_dir` is only for them.
     """
     task = get_task(task_name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit={limit!r} must be None or an integer >= 0")
+    if task.grader == "code":
+        from vase_jax.tasks import livecodebench
+
+        return livecodebench.load(data_path, tests_dir, limit)
+    if tests_dir is not None:
+        raise ValueError(f"tests_dir is only for code tasks, not for task {task.name!r}")
     source, text = _read_text(task, data_path)
     problems: list[Problem] = []
     seen: dict[str, int] = {}

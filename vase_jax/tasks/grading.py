@@ -54,9 +54,14 @@ _PLAIN_NUMBER = re.compile(r"([+-]?\d+(?:\.\d+)?)\.?(?:\s+[A-Za-z][A-Za-z .]*)?"
 
 
 def extract_answer(text: str, task: str | Task | None = None) -> str:
-    """The content of the last `\\boxed{...}` in `text` ("" if none); for "choice" tasks its option letter."""
+    """The content of the last `\\boxed{...}` in `text` ("" if none); for "choice" tasks its option letter; for
+    "code" tasks the code between the last two lines with three backticks."""
     if not isinstance(text, str):
         return ""
+    if task is not None and get_task(task).grader == "code":
+        from vase_jax.tasks.livecodebench import extract_code
+
+        return extract_code(text)
     start = text.rfind("\\boxed")
     if start < 0:
         return ""
@@ -157,6 +162,8 @@ def is_correct(text_or_answer: str, gold: str, task: str | Task, *, require_box:
     the reference). Never raises on odd model output; an unknown task raises ValueError.
     """
     grader = get_task(task).grader
+    if grader == "code":
+        raise ValueError(f"task {get_task(task).name!r} is graded by running code: use grade(completion, problem)")
     if not isinstance(text_or_answer, str):
         return False
     if "\\boxed" in text_or_answer:
@@ -183,5 +190,12 @@ def is_correct(text_or_answer: str, gold: str, task: str | Task, *, require_box:
 
 
 def grade(completion: str, problem: Problem) -> bool:
-    """Grade a model completion against `problem`; as in the reference, a completion with no box is wrong."""
+    """Grade a model completion against `problem`; as in the reference, a completion with no box is wrong.
+
+    Code tasks run the completion's code on the problem's tests (`vase_jax.tasks.livecodebench.grade`).
+    """
+    if get_task(problem.task).grader == "code":
+        from vase_jax.tasks import livecodebench
+
+        return livecodebench.grade(problem, completion).passed
     return is_correct(completion, problem.answer, problem.task, require_box=True)

@@ -7,6 +7,7 @@ prompt + output, temperature 0.6, top-p 0.95, top-k off):
 |---|---|---|---|---|
 | aime24, aime25, aime26, hmmt25 | 16 | 4096 | 1024 | paper tables |
 | gpqa | 8 | 2048 | 512 | paper tables; user-supplied data |
+| livecodebench | 8 | 2048 | 512 | paper tables; user-supplied tests, graded by running the code |
 | math500 | 8 | 1024 | 256 | paper tables |
 | gsm8k | 4 | 512 | 128 | case study: first 500 test questions, 4096 total tokens |
 | amc | 16 | 2048 | 512 | not in the paper (our choice) |
@@ -23,7 +24,8 @@ chat template and thinking mode are applied by `vase_jax.encode_prompts`:
 
     math:  question + "\\nPlease reason step by step, and put your final answer within \\\\boxed{}."
     gsm8k: question.strip() + " Put your final answer within \\\\boxed{}."
-    raw:   question (GPQA: the stored question already holds the choices and the instruction)
+    raw:   question (GPQA: the stored question already holds the choices and the instruction; LiveCodeBench:
+           the authors' prompt, built by `livecodebench.build_prompt` from a release row)
 
 The reference sends AMC and Minerva questions raw (only aime/hmmt/math/olympiadbench get the suffix), but it
 never reports them; we give them the math suffix so that their answers are boxed and gradable.
@@ -36,7 +38,7 @@ import dataclasses
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
 PROMPT_STYLES = ("math", "gsm8k", "raw")
-GRADERS = ("math", "gsm8k", "choice")
+GRADERS = ("math", "gsm8k", "choice", "code")
 
 
 def build_prompt(question: str, style: str) -> str:
@@ -55,7 +57,8 @@ class Task:
     """One evaluation set and its default run settings.
 
     `data_dir` names the packaged folder under `vase_jax/data/tasks/` (None: the user must pass a data file).
-    `grader` is "math" (math-verify), "gsm8k" (numeric, then math-verify) or "choice" (letters A-D).
+    `grader` is "math" (math-verify), "gsm8k" (numeric, then math-verify), "choice" (letters A-D) or "code"
+    (LiveCodeBench: the completion's code runs on the tests in `vase_jax.sandbox`).
     `num_problems` is the default subset size (the first rows), None for all.
     """
 
@@ -107,6 +110,8 @@ TASKS: dict[str, Task] = {
         _task("minerva", "Minerva Math (OCW courses)", "minerva", 8, 1024),
         _task("olympiadbench", "OlympiadBench (text-only English math)", "olympiadbench", 8, 2048),
         _task("gpqa", "GPQA-Diamond (user-supplied)", None, 8, 2048, prompt_style="raw", grader="choice"),
+        _task("livecodebench", "LiveCodeBench v6 medium (user-supplied tests; code run in a sandbox)", None, 8,
+              2048, prompt_style="raw", grader="code"),
     )
 }
 
