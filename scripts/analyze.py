@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""The paper's value-quantization analysis (spec section 5) on any model the library loads.
+
+    python scripts/analyze.py --model Qwen/Qwen3-4B --task gsm8k --limit 200
+
+Generates one sample per question with the full KV cache under the task's protocol (sampling settings and
+token cap as scripts/eval.py; sample 0 of the `full` method, same seed), takes every layer's value cache minus the
+4 sink tokens, quantizes it per token in groups with HQQ (its half-quadratic zero-point refinement) and with plain
+round-to-nearest (RTN) at bits 2 and 4, groups 32 and 64, and reports per layer the Pearson correlation between
+each token's quantization MSE and its Range(v) = max_c v - min_c v, with the distribution of Range(v) per layer.
+
+Writes DIR/summary.md (tables), DIR/summary.json, DIR/pearson_per_layer.png, DIR/range_per_layer.png and
+DIR/mse_vs_range.png (default DIR: runs/analyze/<task>/<model name>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+
+PROG = "analyze.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _csv_int(text: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not items:
+        raise argparse.ArgumentTypeError("empty list")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vase_jax.evaluation.config import RANDOM_MODELS
+
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder")
+    src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
+                     help="a tiny random Qwen3 built in memory (offline smoke runs)")
+    p.add_argument("--task", default="gsm8k", help="evaluation task whose questions are used (default gsm8k)")
+    p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set")
+    p.add_argument("--tests-dir", help="livecodebench only: the authors' test files (see scripts/eval.py)")
+    p.add_argument("--limit", type=int, default=200, help="first N questions (default 200, as the paper)")
+    p.add_argument("--max-new-tokens", type=int, help="output cap (default: the task's total cap minus the prompt)")
+    p.add_argument("--max-total-tokens", type=int, help="prompt + output cap (default: the task's; gsm8k 4096)")
+    p.add_argument("--temperature", type=float, help="default: the task's (0.6)")
+    p.add_argument("--top-p", type=float, help="default: the task's (0.95)")
+    p.add_argument("--top-k", type=int, help="default 0 (off)")
+    p.add_argument("--seed", type=int, help="default 0")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--sinks", type=int, default=4, help="sink tokens dropped per head (default 4)")
+    p.add_argument("--bits", type=_csv_int, default=(2, 4), help="comma list (default 2,4)")
+    p.add_argument("--groups", type=_csv_int, default=(32, 64), help="comma list of group sizes (default 32,64)")
+    p.add_argument("--out", help="output folder (default: runs/analyze/<task>/<model name>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+    from vase_jax import evaluation as ev
+    from vase_jax.analysis import QuantConfig
+
+    model_name = f"random:{args.random_model}" if args.random_model else args.model
+    try:
+        cfg, problems = ev.resolve(
+            model=model_name, task=args.task, data=args.data, tests_dir=args.tests_dir, methods=("full",),
+            samples=1, max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, limit=args.limit, seed=args.seed,
+            dtype=args.dtype)
+        if args.sinks < 0:
+            raise ValueError(f"--sinks={args.sinks} must be an integer >= 0")
+        for b in args.bits:
+            if not 1 <= b <= 8:
+                raise ValueError(f"--bits: {b} must be in 1..8")
+        for g in args.groups:
+            if g < 1:
+                raise ValueError(f"--groups: {g} must be a positive integer")
+    except ValueError as e:
+        return fail(str(e))
+    out = Path(args.out) if args.out else Path("runs") / "analyze" / cfg.task / re.sub(
+        r"[^A-Za-z0-9_.-]+", "_", Path(model_name.rstrip("/")).name or model_name)
+    if out.exists() and not out.is_dir():
+        return fail(f"--out={str(out)!r} exists and is not a folder")
+    try:
+        tokenizer = ev.load_tokenizer(cfg.model)
+        model = ev.load_model(cfg.model, cfg.dtype)
+    except (ValueError, OSError) as e:
+        return fail(f"--model={cfg.model!r}: {e}".replace("\n", " "))
+    head_dim = model.cfg.head_dim
+    skipped = [g for g in args.groups if head_dim % g]
+    if skipped:
+        print(f"{PROG}: warning: --groups {','.join(map(str, skipped))} skipped: a group must divide head_dim "
+              f"{head_dim} (groups hold channels of one token)", file=sys.stderr)
+    configs = tuple(QuantConfig(b, g).validate(head_dim) for b in args.bits for g in args.groups if g not in skipped)
+    if not configs:
+        return fail(f"--groups: none of {','.join(map(str, args.groups))} divides head_dim {head_dim}")
+    summary = run(model, tokenizer, cfg, problems, configs, args.sinks, out)
+    print(Path(out / "summary.md").read_text())
+    print(f"wrote {out}/summary.md, summary.json, pearson_per_layer.png, range_per_layer.png, mse_vs_range.png "
+          f"({summary['samples']} samples)")
+    return 0
+
+
+def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path) -> dict:
+    """Generate one full-cache sample per problem, accumulate the per-layer statistics, write the report."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import vase_jax as vj
+    from vase_jax.analysis.values import Accumulator, layer_stats, value_rows, write_report
+    from vase_jax.evaluation import problem_key
+    from vase_jax.tasks import get_task
+
+    task = get_task(cfg.task)
+    acc = None
+    t0 = time.perf_counter()
+    for i, problem in enumerate(problems):
+        prompt = vj.encode_prompts(tokenizer, [task.build_prompt(problem.question)])
+        prompt_len = int(prompt.lengths[0])
+        gen_tokens, cap = cfg.token_limits(prompt_len)
+        gen_cfg = dataclasses.replace(cfg.generate_config(gen_tokens), return_cache=True)
+        res = vj.generate(model, jnp.asarray(prompt.input_ids), jnp.asarray(prompt.attention_mask),
+                          key=problem_key(cfg.seed, cfg.task, problem.id), config=gen_cfg,
+                          eviction=cfg.eviction("full", None), row_ids=jnp.zeros((1,), jnp.int32))
+        cache = res.cache
+        num_layers = cache.v.shape[0] if hasattr(cache.v, "shape") else len(cache.v)
+        kept = min(int(res.num_tokens[0]), cap)
+        rows, valid = [], []
+        for layer in range(num_layers):
+            r, ok = value_rows(np.asarray(jax.device_get(cache.v[layer][0])),
+                               np.asarray(jax.device_get(cache.pos[layer][0])), prompt_len + kept, sinks)
+            rows.append(r)
+            valid.append(ok)
+        rows, valid = np.stack(rows), np.stack(valid)  # [L, Hkv * S, D], [L, Hkv * S]
+        if acc is None:
+            acc = Accumulator(num_layers, configs, seed=cfg.seed)
+        ranges, mse = jax.device_get(layer_stats(jnp.asarray(rows), jnp.asarray(valid), configs))
+        acc.add(ranges, mse, valid)
+        print(f"{PROG}: {i + 1}/{len(problems)} {problem.id}: {prompt_len} prompt + {kept} output tokens, "
+              f"{int(valid[0].sum())} values per layer ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    meta = {"model": cfg.model, "task": cfg.task, "sinks": sinks, "limit": cfg.limit, "seed": cfg.seed,
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "max_new_tokens": cfg.max_new_tokens, "max_total_tokens": cfg.max_total_tokens, "dtype": cfg.dtype,
+            "configs": [dataclasses.asdict(c) for c in configs]}
+    return write_report(acc, out, meta)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
