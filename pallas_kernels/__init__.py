@@ -1,7 +1,13 @@
-"""Pallas GPU kernels for decode attention and eviction scoring, each with a pure-JAX `*_reference` twin.
+"""Pallas kernels for GPU (Triton) and TPU (Mosaic): decode attention and the window-attention mass of eviction.
 
-`get_decode_attention(impl)` / `get_window_scores(impl)` return the function for `impl` in "auto" | "xla" |
-"pallas" (auto: Pallas on GPU, XLA elsewhere; Pallas off GPU runs in interpret mode).
+| operation | Triton (GPU) | Mosaic TPU | pure JAX (XLA) |
+|---|---|---|---|
+| decode attention | `decode_attention` | `decode_attention_tpu` | `decode_attention_reference` |
+| window-attention mass | `window_mass` | `window_mass_tpu` | in `vase_jax.eviction.window_score` |
+
+`get_decode_attention(impl)` / `get_window_mass(impl, xla)` return the implementation for `impl` (see
+`dispatch`: "auto" picks the kernel of the platform being lowered for, the XLA path elsewhere). This package
+imports nothing from `vase_jax`: the window score's equation and its reference live there, and call in here.
 """
 
 from __future__ import annotations
@@ -10,37 +16,57 @@ import functools
 from collections.abc import Callable
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.dispatch import resolve_impl, resolve_interpret
-from pallas_kernels.eviction_scores import (
-    value_magnitude,
-    value_magnitude_reference,
-    window_scores,
-    window_scores_reference,
-)
+from pallas_kernels.decode_attention_tpu import decode_attention_tpu
+from pallas_kernels.dispatch import IMPLS, check_impl, select
+from pallas_kernels.eviction_scores import window_mass
+from pallas_kernels.eviction_scores_tpu import window_mass_tpu
 
 __all__ = [
+    "IMPLS",
+    "check_impl",
     "decode_attention",
     "decode_attention_reference",
+    "decode_attention_tpu",
     "get_decode_attention",
-    "get_window_scores",
-    "resolve_impl",
-    "resolve_interpret",
-    "value_magnitude",
-    "value_magnitude_reference",
-    "window_scores",
-    "window_scores_reference",
+    "get_window_mass",
+    "select",
+    "window_mass",
+    "window_mass_tpu",
 ]
 
 
-def get_decode_attention(impl: str = "auto") -> Callable:
-    """`decode_attention` (interpret mode off GPU) for "pallas", `decode_attention_reference` for "xla"."""
-    if resolve_impl(impl) == "xla":
-        return decode_attention_reference
-    return functools.partial(decode_attention, interpret=resolve_interpret(impl))
+def get_decode_attention(impl: str = "auto", **kernel_options) -> Callable:
+    """f(q, k, v, pos, length, layer=None) for `impl`; `kernel_options` (e.g. `block_size`) go to every
+    implementation (each ignores the options of the others). `layer`: attend over that layer of a cache stacked
+    over layers (k, v [layers, batch, kv_heads, capacity, head_dim]) without copying it out."""
+
+    def bind(fn: Callable, **fixed) -> Callable:
+        def call(q, k, v, pos, length, *layer):  # layer, when given, is a traced positional argument
+            return fn(q, k, v, pos, length, layer=layer[0] if layer else None, **fixed, **kernel_options)
+
+        return call
+
+    chosen = select(
+        impl,
+        xla=bind(decode_attention_reference),
+        triton=lambda interpret: bind(decode_attention, interpret=interpret),
+        tpu=lambda interpret: bind(decode_attention_tpu, interpret=interpret),
+    )
+
+    def attend(q, k, v, pos, length, layer=None):
+        return chosen(q, k, v, pos, length) if layer is None else chosen(q, k, v, pos, length, layer)
+
+    return attend
 
 
-def get_window_scores(impl: str = "auto") -> Callable:
-    """`window_scores` (interpret mode off GPU) for "pallas", `window_scores_reference` for "xla"."""
-    if resolve_impl(impl) == "xla":
-        return window_scores_reference
-    return functools.partial(window_scores, interpret=resolve_interpret(impl))
+def get_window_mass(impl: str, xla: Callable, **kernel_options) -> Callable:
+    """f(q_rows, keys, valid, row_weights) for `impl`, with `xla` as the pure-JAX implementation.
+
+    `kernel_options` (`scale` included) go to both kernels; `xla` is called with the positional arguments only.
+    """
+    return select(
+        impl,
+        xla=xla,
+        triton=lambda interpret: functools.partial(window_mass, interpret=interpret, **kernel_options),
+        tpu=lambda interpret: functools.partial(window_mass_tpu, interpret=interpret, **kernel_options),
+    )

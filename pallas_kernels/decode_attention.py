@@ -20,6 +20,10 @@ Reference: the same online softmax as a `lax.while_loop` over blocks of `block_s
 ceil(length / block_size); each step `dynamic_slice`s one block, so its cost follows `length`, not the
 capacity, and it never copies the cache. It is the production path on CPU.
 
+Stacked caches: with `layer`, k, v and pos carry a leading layers axis and the kernel reads layer `layer`'s
+blocks straight from the stack (one indexer per load: `k_ref.at[layer, block, :]`), so a `lax.scan` over layers
+never copies a layer out. `decode_attention_tpu.py` is the TPU twin.
+
 SeerAttention-R hook: `block_mask [batch, kv_heads, ceil(capacity / block_size)]` bool switches whole blocks
 off. In the kernel a switched-off block issues no memory reads (its loads are masked out).
 """
@@ -89,11 +93,11 @@ def _dot_precision(dtype) -> lax.Precision:
 # Pallas kernel
 # ------------------------------------------------------------------------------------------------------------
 def _decode_kernel(
-    length_ref,  # [1] int32
+    scalars_ref,  # [2] int32: length, layer
     q_ref,  # [rows, head_dim], the GQA group padded to `rows`
-    k_ref,  # [capacity, head_dim]
-    v_ref,  # [capacity, head_dim]
-    pos_ref,  # [capacity] int32
+    k_ref,  # [layers, capacity, head_dim] (layers = 1 for an unstacked cache)
+    v_ref,  # [layers, capacity, head_dim]
+    pos_ref,  # [layers, capacity] int32
     *refs,
     block_size: int,
     num_splits: int,
@@ -106,7 +110,8 @@ def _decode_kernel(
         block_mask_ref = None
         o_ref, m_ref, l_ref = refs  # o_ref: [rows, head_dim] f32; m_ref, l_ref: [rows] f32
     split = pl.program_id(2)
-    length = length_ref[0]
+    length = scalars_ref[0]
+    layer = scalars_ref[1]
     used_blocks = lax.div(length + (block_size - 1), block_size)  # blocks holding slots < length
     per_split = lax.div(used_blocks + (num_splits - 1), num_splits)
     first = split * per_split
@@ -124,9 +129,10 @@ def _decode_kernel(
         if block_mask_ref is not None:
             live = live & (block_mask_ref[i] != 0)
         block = pl.ds(i * block_size, block_size)
-        k = plgpu.load(k_ref.at[block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
-        v = plgpu.load(v_ref.at[block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
-        p_slot = plgpu.load(pos_ref.at[block], mask=live, other=-1)  # [block]
+        # one indexer per load (the Triton lowering takes no chained `.at`): layer, slots, head_dim
+        k = plgpu.load(k_ref.at[layer, block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
+        v = plgpu.load(v_ref.at[layer, block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
+        p_slot = plgpu.load(pos_ref.at[layer, block], mask=live, other=-1)  # [block]
         valid = live & (p_slot >= 0)
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -160,23 +166,27 @@ def _decode_kernel(
     jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps", "num_stages", "interpret")
 )
 def _decode_pallas(
-    q, k, v, pos, length, block_mask, *, block_size, num_splits, scale, num_warps, num_stages, interpret
+    q, k, v, pos, length, block_mask, layer, *, block_size, num_splits, scale, num_warps, num_stages, interpret
 ):
     batch, kv_heads, group, head_dim = q.shape
-    capacity = k.shape[2]
+    if layer is None:  # one layer: a stack of 1 (free reshapes)
+        k, v, pos, layer = k[None], v[None], pos[None], 0
+    layers, capacity = k.shape[0], k.shape[3]
     rows = max(_MIN_ROWS, next_power_of_2(group))
     q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [batch, kv_heads, rows, head_dim]
-    length_arr = jnp.clip(jnp.asarray(length, jnp.int32), 0, capacity).reshape(1)  # [1]
+    scalars = jnp.stack(
+        [jnp.clip(jnp.asarray(length, jnp.int32), 0, capacity), jnp.asarray(layer, jnp.int32)]
+    )  # [2]: length, layer
     has_block_mask = block_mask is not None
 
     in_specs = [
-        pl.BlockSpec((1,), lambda b, h, s: (0,)),
+        pl.BlockSpec((2,), lambda b, h, s: (0,)),
         pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, capacity, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, capacity, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, capacity), lambda b, h, s: (b, h, 0)),
+        pl.BlockSpec((layers, None, None, capacity, head_dim), lambda b, h, s: (0, b, h, 0, 0)),
+        pl.BlockSpec((layers, None, None, capacity, head_dim), lambda b, h, s: (0, b, h, 0, 0)),
+        pl.BlockSpec((layers, None, None, capacity), lambda b, h, s: (0, b, h, 0)),
     ]
-    args = [length_arr, q_rows, k, v, pos.astype(jnp.int32)]
+    args = [scalars, q_rows, k, v, pos.astype(jnp.int32)]
     if has_block_mask:
         num_blocks = block_mask.shape[2]
         in_specs.append(pl.BlockSpec((None, None, num_blocks), lambda b, h, s: (b, h, 0)))
@@ -233,6 +243,8 @@ def decode_attention(
     block_mask: jax.Array | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    layer: jax.Array | int | None = None,
+    **unused,
 ) -> jax.Array:
     """Flash-decoding attention (Pallas, Triton lowering); see the module docstring for the math.
 
@@ -247,11 +259,20 @@ def decode_attention(
       scale: logit scale, default head_dim ** -0.5.
       block_mask: optional [batch, kv_heads, ceil(capacity / block_size)] bool; False blocks are skipped.
       num_warps, num_stages: Triton compiler parameters.
+      layer: with a stacked cache (k, v [layers, batch, kv_heads, capacity, head_dim], pos [layers, batch,
+        kv_heads, capacity]), the layer to attend over (int32 scalar, may be traced); the kernel reads its
+        blocks straight from the stack, so the layer is never copied out.
+      unused: kernel parameters of the other platforms, ignored.
 
     Returns:
       [batch, kv_heads, group, head_dim] in q's dtype; 0 for rows without a valid slot.
     """
-    _check_args(q, k, v, pos, length, block_size, block_mask)
+    del unused
+    if layer is not None:
+        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
+        _check_args(q, *one_layer, length, block_size, block_mask)
+    else:
+        _check_args(q, k, v, pos, length, block_size, block_mask)
     head_dim = q.shape[3]
     if not is_power_of_2(block_size) or block_size < 16:
         raise ValueError(f"block_size={block_size} must be a power of two >= 16 for the Pallas kernel")
@@ -259,7 +280,7 @@ def decode_attention(
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
-    num_splits = min(num_splits, pl.cdiv(k.shape[2], block_size))
+    num_splits = min(num_splits, pl.cdiv(k.shape[-2], block_size))
     return _decode_pallas(
         q,
         k,
@@ -267,6 +288,7 @@ def decode_attention(
         pos,
         length,
         block_mask,
+        layer,
         block_size=block_size,
         num_splits=num_splits,
         scale=_scale(scale, head_dim),
@@ -280,9 +302,16 @@ def decode_attention(
 # pure-JAX reference (the CPU production path)
 # ------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_size", "scale"))
-def _decode_reference(q, k, v, pos, length, block_mask, *, block_size, scale):
+def _decode_reference(q, k, v, pos, length, block_mask, layer=None, *, block_size, scale):
     batch, kv_heads, group, head_dim = q.shape
-    capacity = k.shape[2]
+    capacity = k.shape[-2]
+
+    def block_of(x, start, block):  # slots [start, start + block) of x (of layer `layer` when x is stacked)
+        if layer is None:
+            return lax.dynamic_slice_in_dim(x, start, block, axis=2)
+        starts = (layer, 0, 0, start) + (0,) * (x.ndim - 4)
+        return lax.dynamic_slice(x, starts, (1, *x.shape[1:3], block, *x.shape[4:]))[0]
+
     block = min(block_size, capacity)
     length = jnp.clip(jnp.asarray(length, jnp.int32), 0, capacity)
     used_blocks = (length + block - 1) // block
@@ -295,13 +324,9 @@ def _decode_reference(q, k, v, pos, length, block_mask, *, block_size, scale):
         # already counted and are masked out.
         start = jnp.minimum(i * block, capacity - block)
         slots = start + offsets  # [block]
-        k_blk = lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(
-            jnp.float32
-        )  # [batch, kv_heads, block, hd]
-        v_blk = lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(
-            jnp.float32
-        )  # [batch, kv_heads, block, hd]
-        p_blk = lax.dynamic_slice_in_dim(pos, start, block, axis=2)  # [batch, kv_heads, block]
+        k_blk = block_of(k, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        v_blk = block_of(v, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        p_blk = block_of(pos, start, block)  # [batch, kv_heads, block]
         valid = (p_blk >= 0) & ((slots >= i * block) & (slots < length))[None, None, :]
         if block_mask is not None:
             valid = valid & lax.dynamic_index_in_dim(block_mask, i, axis=2, keepdims=True)
@@ -345,15 +370,24 @@ def decode_attention_reference(
     block_size: int = DEFAULT_BLOCK_SIZE,
     scale: float | None = None,
     block_mask: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
     **unused,
 ) -> jax.Array:
     """Pure-JAX twin of `decode_attention` (same arguments; kernel-only ones like `num_splits` are ignored).
 
     A `lax.while_loop` over blocks of `block_size` slots that stops after ceil(length / block_size) blocks,
     with an online softmax in float32. Any block size >= 1 works here (the kernel needs a power of two).
+
+    `layer`: with a stacked cache (k, v `[layers, batch, kv_heads, capacity, head_dim]`, pos `[layers, batch,
+    kv_heads, capacity]`), attend over that layer: each block is sliced straight from the stack, so the layer is
+    never copied out (a traced index works, as inside a `lax.scan` over layers).
     """
     del unused
-    _check_args(q, k, v, pos, length, block_size, block_mask)
+    if layer is not None:
+        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
+        _check_args(q, *one_layer, length, block_size, block_mask)
+    else:
+        _check_args(q, k, v, pos, length, block_size, block_mask)
     return _decode_reference(
-        q, k, v, pos, length, block_mask, block_size=block_size, scale=_scale(scale, q.shape[3])
+        q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=_scale(scale, q.shape[3])
     )

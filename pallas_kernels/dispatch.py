@@ -1,35 +1,104 @@
-"""Choosing between the Pallas kernels and their pure-JAX (XLA) twins.
+"""Choosing an implementation of an operation: per platform at lowering time, or explicitly.
 
-`impl="auto"` means Pallas on a GPU and XLA elsewhere. A Pallas kernel asked for on a machine without a GPU
-runs in interpret mode (slow, exact: that is how the CPU tests exercise the kernels). The Triton compiler
-parameters are built here so that every kernel states its GPU lowering explicitly: the default lowering of
-`pl.pallas_call` on GPU differs between jax releases (Mosaic GPU in 0.10.x, Triton later), and passing Triton
-`CompilerParams` selects the Triton lowering on every release that has it.
+Every operation with kernels (decode attention, the window-attention mass) has three implementations: the
+Triton Pallas kernel (GPU), the Mosaic TPU Pallas kernel (TPU) and a pure-JAX twin (XLA, any platform). `impl`:
+
+| impl | cuda | tpu | any other platform (cpu, rocm) |
+|---|---|---|---|
+| "auto" | Triton kernel | TPU kernel | XLA |
+| "xla" | XLA | XLA | XLA |
+| "pallas" | Triton kernel | TPU kernel | Triton kernel in interpret mode |
+| "pallas_gpu" | Triton kernel | Triton kernel in interpret mode | Triton kernel in interpret mode |
+| "pallas_tpu" | TPU kernel in TPU interpret mode | TPU kernel | TPU kernel in TPU interpret mode |
+
+The platform is the one the program is *lowered* for, not the host: `select` stages every candidate branch with
+`jax.lax.platform_dependent`, and lowering keeps the branch of the target platform. So a CPU host that lowers for
+`("cuda",)` or `("tpu",)` (`jax.jit(f).trace(...).lower(lowering_platforms=...)`) gets that platform's kernels,
+and outside `jit` the branch of the default backend runs. A Pallas call lowers for one platform only (Triton
+compiler parameters are rejected by the TPU lowering), so a program that holds kernels is lowered for one
+platform at a time.
+
+The Triton compiler parameters are built here so that every kernel states its GPU lowering explicitly: the
+default lowering of `pl.pallas_call` on GPU differs between jax releases (Mosaic GPU in 0.10.x, Triton later),
+and passing Triton `CompilerParams` selects the Triton lowering on every release that has it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import jax
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu")
 
 
-def resolve_impl(impl: str) -> str:
-    """ "auto" -> "pallas" on a GPU backend, else "xla"; "xla" and "pallas" pass through."""
+def check_impl(impl: str) -> str:
+    """`impl` if it is one of IMPLS, else ValueError naming the allowed values."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not a known implementation; allowed: {', '.join(IMPLS)}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
     return impl
 
 
-def resolve_interpret(impl: str, interpret: bool | None = None) -> bool:
-    """Whether a Pallas kernel runs in interpret mode: True for "pallas" off GPU, unless given explicitly."""
-    resolved = resolve_impl(impl)
-    if interpret is not None:
-        return bool(interpret)
-    return resolved == "pallas" and jax.default_backend() != "gpu"
+def tpu_interpret_params() -> pltpu.InterpretParams:
+    """TPU interpret mode (CPU, TPU semantics): uninitialized VMEM reads NaN and out-of-bounds reads raise."""
+    return pltpu.InterpretParams()
+
+
+def select(
+    impl: str,
+    *,
+    xla: Callable,
+    triton: Callable[[bool], Callable],
+    tpu: Callable[[Any], Callable],
+) -> Callable:
+    """The implementation of one operation for `impl` (module docstring's table).
+
+    Args:
+      xla: the pure-JAX implementation, `xla(*args)`.
+      triton: `triton(interpret)` -> the Triton kernel function with `interpret` (bool) bound.
+      tpu: `tpu(interpret)` -> the TPU kernel function with `interpret` (False or `pltpu.InterpretParams`) bound.
+    Returns:
+      f(*args) (positional array arguments only), which stages the branches with `lax.platform_dependent`.
+    """
+    check_impl(impl)
+    if impl == "xla":
+        return xla
+    if impl == "auto":
+        branches = dict(cuda=triton(False), tpu=tpu(False), default=xla)
+    elif impl == "pallas":
+        branches = dict(cuda=triton(False), tpu=tpu(False), default=triton(True))
+    elif impl == "pallas_gpu":
+        branches = dict(cuda=triton(False), default=triton(True))
+    else:  # "pallas_tpu"
+        branches = dict(tpu=tpu(False), default=tpu(tpu_interpret_params()))
+
+    def run(*args):
+        return lax.platform_dependent(*args, **branches)
+
+    return run
+
+
+@contextlib.contextmanager
+def lowering_target(platform: str, device_kind: str = "NVIDIA H200") -> Iterator[None]:
+    """Trace *and* lower inside this context to lower for `platform` on a host without that device.
+
+    From jax 0.11 the Triton lowering asks the GPU for its kind (to pick the compute capability); on a host
+    without a GPU it reads an abstract device of the current abstract mesh instead. For `platform="cuda"` on such a
+    host this installs an empty abstract mesh whose device is `device_kind`; otherwise (TPU, or a GPU present)
+    it does nothing. jax 0.10 needs none of it and ignores it.
+    """
+    gpu_present = any(d.platform == "gpu" for d in jax.devices())
+    if platform != "cuda" or gpu_present or not hasattr(jax.sharding, "AbstractDevice"):
+        yield
+        return
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield
 
 
 def triton_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:

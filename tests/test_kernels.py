@@ -1,12 +1,14 @@
-"""Pallas kernels against their pure-JAX references, and the references against NumPy float64.
+"""Pallas kernels (Triton and Mosaic TPU) against their pure-JAX references, and the references against NumPy.
 
-Each kernel has a test class that runs the compiled kernel (needs a GPU) and a subclass with
-`INTERPRET = True` that runs the same tests through the Pallas interpreter on CPU. Shapes are small: interpret
-mode is slow.
+Each kernel has a test class that runs the compiled kernel (needs its device: a GPU for Triton, a TPU for the
+Mosaic kernels) and a subclass with `INTERPRET` set that runs the same tests on CPU: the Pallas interpreter for
+Triton, TPU interpret mode (`pltpu.InterpretParams`, TPU semantics) for the TPU kernels. Shapes are small:
+interpret mode is slow. The full shapes are checked by lowering (`tests/test_lowering.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -14,21 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import dispatch
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.eviction_scores import (
-    value_magnitude,
-    value_magnitude_reference,
-    window_scores,
-    window_scores_reference,
-)
+from pallas_kernels.decode_attention_tpu import decode_attention_tpu
+from pallas_kernels.eviction_scores import window_mass
+from pallas_kernels.eviction_scores_tpu import window_mass_tpu
+from vase_jax.eviction.window_score import pool_and_mask, query_rows, window_score, window_score_reference
 
 HAS_GPU = jax.default_backend() == "gpu"
+HAS_TPU = jax.default_backend() == "tpu"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def _max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def _rel_err(a, b) -> float:
+    """max |a - b| / max |b|: the error relative to the output's scale (elementwise ratios blow up near 0)."""
+    return _max_err(a, b) / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -284,8 +291,87 @@ class TestDecodeAttentionReference:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# window scores: kernel vs reference
+# decode attention: the TPU kernel vs the reference
 # ------------------------------------------------------------------------------------------------------------
+# (group, head_dim, dtype, capacity, length, block_size, empty (b, h) rows): GQA groups 1-8, lengths that end
+# mid-block, on a block edge, in the first block; capacities that are not a multiple of the block; fully masked rows
+DECODE_TPU_CASES = [
+    (1, 128, "float32", 384, 300, 128, ()),
+    (2, 128, "bfloat16", 300, 300, 128, ((1, 0),)),
+    (3, 128, "float32", 256, 129, 128, ((0, 1),)),
+    (4, 128, "bfloat16", 512, 77, 256, ()),
+    (5, 128, "float32", 200, 200, 512, ((0, 0), (1, 1))),
+    (6, 64, "float32", 256, 1, 128, ()),
+    (7, 128, "bfloat16", 640, 513, 128, ()),
+    (8, 128, "float32", 1024, 1000, 256, ((1, 1),)),
+]
+
+
+class TestDecodeAttentionTPUKernel:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and not HAS_TPU:
+            pytest.skip("compiled TPU kernel needs a TPU; TestDecodeAttentionTPUKernelInterpret runs it on CPU")
+
+    def _interpret(self):
+        return dispatch.tpu_interpret_params() if self.INTERPRET else False
+
+    @pytest.mark.parametrize("case", DECODE_TPU_CASES, ids=lambda c: f"g{c[0]}-d{c[1]}-{c[2]}-c{c[3]}-n{c[4]}")
+    def test_matches_reference(self, case):
+        group, head_dim, dtype, capacity, length, block_size, empty = case
+        q, k, v, pos, n = _decode_inputs(10, 2, 2, group, head_dim, capacity, length, dtype, empty_rows=empty)
+        out = decode_attention_tpu(q, k, v, pos, n, block_size=block_size, interpret=self._interpret())
+        ref = decode_attention_reference(q, k, v, pos, n)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        if dtype == "float32":
+            assert _rel_err(out, ref) <= 1e-5
+        else:
+            assert _max_err(out, ref) <= TOL[dtype]
+        for b, h in empty:
+            assert np.all(np.asarray(out[b, h], np.float32) == 0.0)
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_garbage_past_length_does_not_leak(self, dtype):
+        # NaN keys and values and valid-looking positions past `length`, which ends mid-block
+        args = dict(batch=2, kv_heads=2, group=4, head_dim=128, capacity=384, length=200, dtype=dtype)
+        clean = _decode_inputs(11, **args)
+        dirty = _decode_inputs(11, **args, garbage=True)
+        out_dirty = decode_attention_tpu(*dirty, block_size=128, interpret=self._interpret())
+        out_clean = decode_attention_tpu(*clean, block_size=128, interpret=self._interpret())
+        assert np.all(np.isfinite(np.asarray(out_dirty, np.float32)))
+        np.testing.assert_array_equal(np.asarray(out_dirty, np.float32), np.asarray(out_clean, np.float32))
+
+    def test_empty_cache_gives_zeros(self):
+        q, k, v, pos, _ = _decode_inputs(12, 1, 2, 2, 128, 256, 256, "float32")
+        out = decode_attention_tpu(q, k, v, pos, 0, block_size=128, interpret=self._interpret())
+        assert np.all(np.asarray(out) == 0.0)
+        out = decode_attention_tpu(q, k, v, jnp.full_like(pos, -1), 256, block_size=128, interpret=self._interpret())
+        assert np.all(np.asarray(out) == 0.0)
+
+    def test_rejects_bad_arguments(self):
+        q, k, v, pos, n = _decode_inputs(13, 1, 1, 2, 128, 256, 256, "float32")
+        with pytest.raises(ValueError, match="block_size=64"):
+            decode_attention_tpu(q, k, v, pos, n, block_size=64, interpret=self._interpret())
+        with pytest.raises(ValueError, match="dtypes differ"):
+            decode_attention_tpu(q, k.astype(jnp.bfloat16), v, pos, n, interpret=self._interpret())
+
+
+class TestDecodeAttentionTPUKernelInterpret(TestDecodeAttentionTPUKernel):
+    INTERPRET = True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# window scores: the kernels (Triton, TPU) inside the score vs the reference
+# ------------------------------------------------------------------------------------------------------------
+def _score_with(mass_fn, queries, keys, valid, query_valid, *, smooth, temperature, **options):
+    """The window score with `mass_fn` as its mass step (what `window_score` does with a kernel impl)."""
+    rows, weights = query_rows(queries, query_valid)
+    scale = 1.0 / (queries.shape[-1] ** 0.5 * temperature)
+    return pool_and_mask(mass_fn(rows, keys, valid, weights, scale=scale, **options), valid, smooth)
+
+
 # (group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys, num_splits)
 SCORE_CASES = [
     (1, 8, 64, 100, "float32", True, 1.0, 32, 2),
@@ -308,17 +394,11 @@ class TestWindowScoresKernel:
         group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys, num_splits = case
         queries, keys, valid, query_valid = _score_inputs(0, 2, 2, group, window, head_dim, num_keys, dtype)
         kw = dict(smooth=smooth, temperature=temperature)
-        out = window_scores(
-            queries,
-            keys,
-            valid,
-            query_valid,
-            **kw,
-            block_keys=block_keys,
-            num_splits=num_splits,
-            interpret=self.INTERPRET,
-        )
-        ref = window_scores_reference(queries, keys, valid, query_valid, **kw)
+        out = _score_with(
+            window_mass, queries, keys, valid, query_valid, **kw,
+            block_keys=block_keys, num_splits=num_splits, interpret=self.INTERPRET,
+        )  # fmt: skip
+        ref = window_score_reference(queries, query_valid, keys, valid, **kw)
         assert out.shape == keys.shape[:3] and out.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL[dtype], atol=1e-7)
         assert np.all(np.asarray(out)[~np.asarray(valid)] == 0.0)
@@ -326,20 +406,82 @@ class TestWindowScoresKernel:
 
     def test_rejects_bad_arguments(self):
         queries, keys, valid, query_valid = _score_inputs(1, 1, 1, 2, 8, 64, 32, "float32")
+        rows, weights = query_rows(queries, query_valid)
         with pytest.raises(ValueError, match="block_keys=48"):
-            window_scores(queries, keys, valid, query_valid, block_keys=48, interpret=self.INTERPRET)
-        with pytest.raises(ValueError, match="temperature=0"):
-            window_scores(queries, keys, valid, query_valid, temperature=0.0, interpret=self.INTERPRET)
+            window_mass(rows, keys, valid, weights, scale=1.0, block_keys=48, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="row_weights has shape"):
+            window_mass(rows, keys, valid, weights[:, :3], scale=1.0, interpret=self.INTERPRET)
 
 
 class TestWindowScoresKernelInterpret(TestWindowScoresKernel):
     INTERPRET = True
 
 
+# (group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys): GQA groups 1-8; candidate counts that
+# end mid-block, fill one small block, and span several blocks
+SCORE_TPU_CASES = [
+    (1, 8, 128, 300, "float32", True, 1.0, 128),
+    (2, 16, 128, 256, "bfloat16", True, 1.0, 128),
+    (4, 8, 64, 150, "float32", False, 0.5, 128),
+    (5, 8, 128, 100, "float32", True, 1.0, 256),
+    (8, 16, 128, 400, "float32", True, 2.0, 256),
+]
+
+
+class TestWindowScoresTPUKernel:
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_device(self):
+        if not self.INTERPRET and not HAS_TPU:
+            pytest.skip("compiled TPU kernel needs a TPU; TestWindowScoresTPUKernelInterpret runs it on CPU")
+
+    def _interpret(self):
+        return dispatch.tpu_interpret_params() if self.INTERPRET else False
+
+    @pytest.mark.parametrize("case", SCORE_TPU_CASES, ids=lambda c: f"g{c[0]}-w{c[1]}-d{c[2]}-l{c[3]}-{c[4]}")
+    def test_matches_reference(self, case):
+        group, window, head_dim, num_keys, dtype, smooth, temperature, block_keys = case
+        queries, keys, valid, query_valid = _score_inputs(3, 2, 2, group, window, head_dim, num_keys, dtype)
+        kw = dict(smooth=smooth, temperature=temperature)
+        out = _score_with(
+            window_mass_tpu, queries, keys, valid, query_valid, **kw, block_keys=block_keys, interpret=self._interpret()
+        )
+        ref = window_score_reference(queries, query_valid, keys, valid, **kw)
+        assert out.shape == keys.shape[:3] and out.dtype == jnp.float32
+        if dtype == "float32":
+            assert _rel_err(out, ref) <= 1e-5
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=TOL[dtype], atol=1e-7)
+        assert np.all(np.asarray(out)[~np.asarray(valid)] == 0.0)
+        assert np.all(np.asarray(out[1]) == 0.0)  # row 1 has no valid window query
+
+    def test_garbage_in_invalid_slots_does_not_leak(self):
+        queries, keys, valid, query_valid = _score_inputs(4, 2, 2, 2, 8, 128, 200, "float32")
+        dirty_keys = jnp.where(valid[..., None], keys, jnp.nan)  # NaN keys on every invalid candidate
+        dirty_queries = jnp.where(query_valid[:, None, None, :, None], queries, jnp.nan)  # and invalid queries
+        kw = dict(smooth=True, temperature=1.0, block_keys=128, interpret=self._interpret())
+        out = _score_with(window_mass_tpu, dirty_queries, dirty_keys, valid, query_valid, **kw)
+        clean = _score_with(window_mass_tpu, queries, keys, valid, query_valid, **kw)
+        assert np.all(np.isfinite(np.asarray(out)))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+    def test_rejects_bad_arguments(self):
+        queries, keys, valid, query_valid = _score_inputs(5, 1, 1, 2, 8, 128, 32, "float32")
+        rows, weights = query_rows(queries, query_valid)
+        with pytest.raises(ValueError, match="block_keys=64"):
+            window_mass_tpu(rows, keys, valid, weights, scale=1.0, block_keys=64, interpret=self._interpret())
+        with pytest.raises(ValueError, match="keys has shape"):
+            window_mass_tpu(rows, keys[:, :, :, :64], valid, weights, scale=1.0, interpret=self._interpret())
+
+
+class TestWindowScoresTPUKernelInterpret(TestWindowScoresTPUKernel):
+    INTERPRET = True
+
+
 # ------------------------------------------------------------------------------------------------------------
-# window scores and value magnitudes: reference vs NumPy
+# window scores: reference vs NumPy
 # ------------------------------------------------------------------------------------------------------------
-class TestEvictionScoresReference:
+class TestWindowScoreReference:
     @pytest.mark.parametrize(
         "group,window,num_keys,dtype,smooth,temperature",
         [
@@ -351,9 +493,7 @@ class TestEvictionScoresReference:
     )
     def test_window_scores_match_numpy(self, group, window, num_keys, dtype, smooth, temperature):
         queries, keys, valid, query_valid = _score_inputs(2, 2, 3, group, window, 64, num_keys, dtype)
-        out = window_scores_reference(
-            queries, keys, valid, query_valid, smooth=smooth, temperature=temperature
-        )
+        out = window_score_reference(queries, query_valid, keys, valid, smooth=smooth, temperature=temperature)
         expected = _np_scores(queries, keys, valid, query_valid, smooth, temperature)
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-8)
         assert np.all(np.asarray(out)[~np.asarray(valid)] == 0.0)
@@ -361,38 +501,74 @@ class TestEvictionScoresReference:
     def test_window_scores_sum_to_one_without_smoothing(self):
         # each valid query's distribution sums to 1, so the group/window mean does too
         queries, keys, valid, query_valid = _score_inputs(3, 2, 2, 2, 8, 64, 50, "float32")
-        out = np.asarray(window_scores_reference(queries, keys, valid, query_valid, smooth=False))
+        out = np.asarray(window_score_reference(queries, query_valid, keys, valid, smooth=False))
         np.testing.assert_allclose(out[0, 1].sum(), 1.0, rtol=1e-5)
         assert out[0, 0].sum() == 0.0 and out[1].sum() == 0.0
 
-    @pytest.mark.parametrize("kind", ["range", "l2", "var"])
-    def test_value_magnitude_matches_numpy(self, kind):
-        rng = np.random.default_rng(4)
-        values = rng.normal(size=(2, 3, 17, 64)).astype(np.float32)
-        valid = rng.random((2, 3, 17)) < 0.7
-        expected = {
-            "range": np.ptp(values, axis=-1),
-            "l2": np.linalg.norm(values, axis=-1),
-            "var": np.var(values.astype(np.float64), axis=-1, ddof=1),
-        }[kind]
-        expected = np.where(valid, expected, 0.0)
-        for fn in (value_magnitude, value_magnitude_reference):
-            out = fn(jnp.asarray(values), jnp.asarray(valid), kind)
-            np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
-        with pytest.raises(ValueError, match="kind='max'"):
-            value_magnitude_reference(jnp.asarray(values), jnp.asarray(valid), "max")
+    def test_rejects_bad_arguments(self):
+        queries, keys, valid, query_valid = _score_inputs(1, 1, 1, 2, 8, 64, 32, "float32")
+        with pytest.raises(ValueError, match="temperature=0"):
+            window_score(queries, query_valid, keys, valid, temperature=0.0)
+        with pytest.raises(ValueError, match="query_valid has shape"):
+            window_score(queries, query_valid[:, :3], keys, valid)
+        with pytest.raises(ValueError, match="impl='triton'"):
+            window_score(queries, query_valid, keys, valid, impl="triton")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# dispatch
+# dispatch: by the platform being lowered for
 # ------------------------------------------------------------------------------------------------------------
-def test_resolve_impl_and_interpret():
-    backend_is_gpu = jax.default_backend() == "gpu"
-    assert dispatch.resolve_impl("auto") == ("pallas" if backend_is_gpu else "xla")
-    assert dispatch.resolve_impl("xla") == "xla"
-    assert dispatch.resolve_impl("pallas") == "pallas"
+KERNEL_NAMES = {
+    "decode": {"cuda": "vase_decode_attention", "tpu": "vase_decode_attention_tpu"},
+    "scores": {"cuda": "vase_window_scores_accumulate", "tpu": "vase_window_mass_tpu"},
+}
+
+
+def _lowered(fn, args, platform: str) -> str:
+    with dispatch.lowering_target(platform):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("op", ["decode", "scores"])
+def test_auto_picks_the_kernel_of_the_lowering_platform(op):
+    if op == "decode":
+        args = _decode_inputs(14, 2, 2, 4, 128, 512, 300, "bfloat16")
+        fn = pallas_kernels.get_decode_attention("auto")
+    else:
+        queries, keys, valid, query_valid = _score_inputs(15, 2, 2, 4, 16, 128, 512, "bfloat16")
+        args = (queries, query_valid, keys, valid)
+        fn = functools.partial(window_score, impl="auto")
+    cuda, tpu, cpu = (_lowered(fn, args, p) for p in ("cuda", "tpu", "cpu"))
+    assert "__gpu$xla.gpu.triton" in cuda and KERNEL_NAMES[op]["cuda"] in cuda and "tpu_custom_call" not in cuda
+    assert "tpu_custom_call" in tpu and KERNEL_NAMES[op]["tpu"] in tpu and "triton" not in tpu
+    assert "custom_call" not in cpu  # the XLA path
+
+
+# on an accelerator, the other platform's kernel family would run in interpret mode: not what a device run checks
+OTHER_FAMILY = {"gpu": "pallas_tpu", "tpu": "pallas_gpu"}.get(jax.default_backend())
+
+
+def test_explicit_impls_on_this_host():
+    q, k, v, pos, n = _decode_inputs(16, 1, 2, 2, 128, 256, 200, "float32")
+    ref = decode_attention_reference(q, k, v, pos, n)
+    for impl in (i for i in dispatch.IMPLS if i != OTHER_FAMILY):
+        out = jax.jit(pallas_kernels.get_decode_attention(impl))(q, k, v, pos, n)
+        assert _rel_err(out, ref) <= 1e-5, impl
     with pytest.raises(ValueError, match="impl='triton'"):
-        dispatch.resolve_impl("triton")
-    assert dispatch.resolve_interpret("pallas") is (not backend_is_gpu)
-    assert dispatch.resolve_interpret("xla") is False
-    assert dispatch.resolve_interpret("pallas", interpret=True) is True
+        pallas_kernels.get_decode_attention("triton")
+    assert dispatch.check_impl("pallas_tpu") == "pallas_tpu"
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
+def test_stacked_cache_layer(impl):
+    if impl == OTHER_FAMILY:
+        pytest.skip(f"{impl} would run in interpret mode on this {jax.default_backend()}")
+    # a cache stacked over 3 layers, the layer a traced index: every implementation equals attention over that layer
+    q, k, v, pos, n = _decode_inputs(17, 2, 2, 4, 128, 256, 200, "float32")
+    ks, vs = (jnp.stack([x, 0.5 * x + 1, -x]) for x in (k, v))  # [3, batch, kv_heads, capacity, head_dim]
+    ps = jnp.stack([pos, pos, pos.at[:, :, 100:].set(-1)])  # layer 2: its own empty slots
+    attend = jax.jit(pallas_kernels.get_decode_attention(impl))
+    for layer in range(3):
+        out = attend(q, ks, vs, ps, n, jnp.int32(layer))
+        ref = decode_attention_reference(q, ks[layer], vs[layer], ps[layer], n)
+        assert _rel_err(out, ref) <= 1e-5, (impl, layer)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
+
 MAGNITUDES = ("range", "l2", "var")
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import get_window_scores
+from vase_jax.eviction.window_score import window_score
 
 MAGNITUDES = ("range", "l2", "var")
 
@@ -92,10 +92,11 @@ def window_attention_score(
     commute.
 
     queries [b, h, g, W, D] (GQA: query head i belongs to kv head i // g), query_valid [b, W],
-    keys [b, h, L, D], valid [b, h, L]. `impl` ("auto" | "xla" | "pallas") picks the Pallas kernel or its
-    pure-JAX twin (`pallas_kernels.eviction_scores`), the same switch as decode attention.
+    keys [b, h, L, D], valid [b, h, L]. The equation and its pure-JAX reference live in
+    `vase_jax.eviction.window_score`; `impl` ("auto" | "xla" | "pallas" | "pallas_gpu" | "pallas_tpu") picks the
+    Pallas kernel of the platform or the XLA path, the same switch as decode attention (`pallas_kernels.dispatch`).
     """
-    return get_window_scores(impl)(queries, keys, valid, query_valid, smooth=smooth, temperature=temperature)
+    return window_score(queries, query_valid, keys, valid, temperature=temperature, smooth=smooth, impl=impl)
 
 
 # ---- value magnitude ---------------------------------------------------------------------------------------

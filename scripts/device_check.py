@@ -1,0 +1,337 @@
+"""One device check: on the accelerator present (GPU or TPU), in about 8 minutes, write one JSON and one table.
+
+    python scripts/device_check.py --out device_check      # exit 0: all ran and passed, 1: something failed,
+                                                           # 2: no accelerator (nothing is run)
+
+Phases, each in its own process (a TPU belongs to one process at a time; a GPU's memory is not preallocated):
+  1. tests    the compiled kernel tests: tests/test_kernels.py and tests/test_kernels_generate.py without the
+              interpret-mode classes (the kernels of this platform, compiled, against their references; `generate`
+              with the kernels against the XLA path's greedy tokens)
+  2. kernels  scripts/bench_kernels.py: decode attention and window scores, XLA vs the platform's kernel, GB/s
+              against the device's measured copy bandwidth, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
+  3. decode   a Qwen3-8B-shaped random model in bfloat16 at batch 16: decode tokens/s at 4k and 16k generated
+              tokens for full, vase_dkv and vase_attnv at N = 2048 (B = 64). Each figure times `decode_step`s in a
+              compiled loop on a cache holding what `generate` holds at that point (full: prompt + tokens slots;
+              eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
+              bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth)
+
+Targets (benchmark goals, not pass/fail of this script): the decode kernel at >= 70% of the copy bandwidth at batch
+16 and 4k-16k slots; full vs vase_dkv decode tokens/s at 16k >= 3x. Both are reported in the table.
+
+Each phase has a time budget (`--budget-s` in all); a phase that runs out is stopped and reported as such, and the
+decode phase writes each figure as soon as it has it, so a stopped run still reports what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_ACCELERATOR = 2
+
+DETECT = (
+    "import json, jax; d = jax.devices()[0]; "
+    "print(json.dumps(dict(backend=jax.default_backend(), device_kind=d.device_kind, count=jax.device_count(), "
+    "jax=jax.__version__)))"
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # phases share the GPU one after another
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _run(cmd: list[str], timeout: float) -> dict:
+    """Run a phase; returns rc (None when stopped for time), seconds and the output's last lines."""
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=max(timeout, 1))
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = None
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out += f"\n[stopped after {timeout:.0f} s: phase time budget]"
+    return dict(rc=rc, seconds=round(time.time() - start, 1), tail=out.strip().splitlines()[-30:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# phase 3: decode benchmark (runs in a child process: `device_check.py --phase decode`)
+# ---------------------------------------------------------------------------------------------------------------
+def decode_benchmark(
+    *,
+    model: str = "qwen3-8b",
+    layers: int | None = None,
+    dtype: str = "bfloat16",
+    batch: int = 16,
+    prompt_len: int = 256,
+    lengths: tuple[int, ...] = (4096, 16384),
+    methods: tuple[str, ...] = ("full", "vase_dkv", "vase_attnv"),
+    budget: int = 2048,
+    buffer: int = 64,
+    micro_steps: int = 8,
+    repeats: int = 3,
+    attention_impl: str = "auto",
+    deadline: float | None = None,
+    json_path: str | None = None,
+    bandwidth_mib: int = 1024,
+) -> dict:
+    """Decode tokens/s of `methods` at the cache state after each of `lengths` generated tokens (module docstring).
+
+    Returns (and writes to `json_path` after every figure) dict(meta=..., rows=[...]); a row per (method, length)
+    with step_ms, evict_ms (eviction methods), tokens_per_s, bound_tokens_per_s, or `skipped` past the deadline.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import vase_jax as vj
+    from vase_jax import bench as vb
+    from vase_jax.eviction import framework
+    from vase_jax.generate import query_window
+
+    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    jdtype = jnp.dtype(dtype)
+    qwen = vj.Qwen3(cfg, dtype=jdtype, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(qwen)
+    read_bw = vb.bandwidth(bandwidth_mib << 20, repeats=3)["jax_read"]
+    weight_bytes = vb.weight_bytes_per_step(qwen)
+    per_slot = vb.slot_bytes(cfg, batch, jdtype.itemsize)
+    gen = vj.GenerateConfig(max_new_tokens=max(lengths), temperature=0.0, eos_token_ids=())
+    bucket = gen.bucket(prompt_len)
+    result = dict(
+        meta=dict(model=model, layers=cfg.num_layers, dtype=dtype, batch=batch, prompt_len=prompt_len,
+                  prompt_bucket=bucket, budget=budget, buffer=buffer, micro_steps=micro_steps, repeats=repeats,
+                  attention_impl=attention_impl, read_bandwidth_gb_s=read_bw / 1e9, weight_bytes=weight_bytes,
+                  device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__),
+        rows=[],
+    )
+
+    def save():
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=2)
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.time() > deadline
+
+    token = jnp.zeros((batch,), jnp.int32)
+    row_ids = jnp.arange(batch, dtype=jnp.int32)
+    measured: dict[tuple, dict] = {}  # eviction methods: one cache state for every length
+    # the longest length first, so that a run stopped for time still has the 16k comparison
+    for length, method in sorted(((n, m) for m in methods for n in lengths), key=lambda x: -x[0]):
+        ev = (vj.EvictionConfig("full", attention_impl=attention_impl) if method == "full" else
+              vj.EvictionConfig(method, budget=budget, buffer=buffer, attention_impl=attention_impl)).validate()
+        window = query_window(ev)
+        row = dict(method=method if method == "full" else f"{method}@{budget}", tokens=length)
+        if out_of_time():
+            result["rows"].append({**row, "skipped": "time budget"})
+            save()
+            continue
+        capacity = framework.capacity_for(ev, bucket, bucket - prompt_len, length)
+        live = bucket + length if not ev.evicts else budget + buffer // 2  # slots at that point (mean)
+        live = min(live, capacity - micro_steps)  # the micro steps append `micro_steps` slots
+        state_key = (method, capacity, live)
+        if state_key not in measured:
+            start = live
+            cache = vb.filled_cache(cfg, batch, capacity, start, window, jdtype)
+            t0 = time.perf_counter()
+            cache, _ = jax.block_until_ready(
+                vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl))
+            first_s = time.perf_counter() - t0
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                cache, _ = jax.block_until_ready(
+                    vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl))
+                times.append(time.perf_counter() - t0)
+            step_s = sorted(times)[len(times) // 2] / micro_steps
+            entry = dict(live_slots=live, capacity=capacity, step_ms=step_s * 1e3,
+                         decode_compile_and_first_s=first_s)
+            del cache
+            if ev.evicts:
+                cache = vb.filled_cache(cfg, batch, capacity, budget + buffer, window, jdtype)
+                key = jax.random.key(0)
+                t0 = time.perf_counter()
+                cache = jax.block_until_ready(vb.evict_full(cache, ev, key, row_ids))
+                entry["evict_compile_and_first_s"] = time.perf_counter() - t0
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    cache = jax.block_until_ready(vb.evict_full(cache, ev, key, row_ids))
+                    times.append(time.perf_counter() - t0)
+                entry["evict_ms"] = sorted(times)[len(times) // 2] * 1e3
+                del cache
+            measured[state_key] = entry
+        entry = measured[state_key]
+        step_s = entry["step_ms"] / 1e3 + (entry.get("evict_ms", 0.0) / 1e3 / buffer if ev.evicts else 0.0)
+        step_bytes = weight_bytes + live * per_slot + (2 * (budget + buffer) * per_slot / buffer if ev.evicts else 0)
+        bound = batch * read_bw / step_bytes
+        tps = batch / step_s
+        result["rows"].append({**row, **entry, "tokens_per_s": tps, "bound_tokens_per_s": bound,
+                               "achieved_over_bound": tps / bound, "bytes_per_step": step_bytes})
+        save()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------------------------
+def _fmt(x, digits=1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# Device check: {env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}", "",
+             f"{report['started']}; python {env.get('python')}; total {report['seconds']:.0f} s.", "",
+             "| phase | status | seconds |", "|---|---|---|"]
+    for name, phase in report["phases"].items():
+        lines.append(f"| {name} | {phase.get('status')} | {phase.get('seconds', '-')} |")
+    tests = report["phases"].get("tests", {})
+    if tests.get("summary"):
+        lines += ["", f"Tests: `{tests['summary']}`"]
+    kernels = report["phases"].get("kernels", {}).get("results")
+    if kernels:
+        meta = kernels["meta"]
+        lines += ["", f"## Kernels (copy bandwidth {meta['copy_bandwidth_gb_per_s']:.0f} GB/s, {meta['dtype']}, "
+                  f"{meta['kv_heads']} kv heads, group {meta['group']}, head_dim {meta['head_dim']}, window "
+                  f"{meta['window']})", "",
+                  "| op | impl | batch | slots | ms | GB/s | % of copy bandwidth |", "|---|---|---|---|---|---|---|"]
+        for r in kernels["results"]:
+            lines.append(f"| {r['op']} | {r['impl']} | {r['batch']} | {r['length']} | {r['ms']:.3f} | "
+                         f"{r['gb_per_s']:.0f} | {100 * r['fraction_of_copy_bw']:.0f}% |")
+    decode = report["phases"].get("decode", {}).get("results")
+    if decode:
+        m = decode["meta"]
+        lines += ["", f"## Decode ({m['model']} shape, {m['layers']} layers, {m['dtype']}, batch {m['batch']}, "
+                  f"prompt {m['prompt_len']}, B = {m['buffer']}; read bandwidth {m['read_bandwidth_gb_s']:.0f} GB/s)",
+                  "", "| method | tokens | live slots | step ms | evict ms/event | tok/s | bound tok/s | "
+                  "achieved/bound |", "|---|---|---|---|---|---|---|---|"]
+        for r in decode["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['method']} | {r['tokens']} | skipped ({r['skipped']}) | | | | | |")
+                continue
+            lines.append(f"| {r['method']} | {r['tokens']} | {r['live_slots']} | {r['step_ms']:.2f} | "
+                         f"{_fmt(r.get('evict_ms'), 2)} | {r['tokens_per_s']:.0f} | {r['bound_tokens_per_s']:.0f} | "
+                         f"{r['achieved_over_bound']:.2f} |")
+    targets = report.get("targets", {})
+    if targets:
+        lines += ["", "## Targets", ""] + [f"- {k}: {v}" for k, v in targets.items()]
+    return "\n".join(lines) + "\n"
+
+
+def targets(report: dict) -> dict[str, str]:
+    out = {}
+    kernels = report["phases"].get("kernels", {}).get("results")
+    if kernels:
+        rows = [r for r in kernels["results"] if r["op"] == "decode" and r["impl"] != "xla" and r["batch"] == 16
+                and 4096 <= r["length"] <= 16384]
+        if rows:
+            worst = min(r["fraction_of_copy_bw"] for r in rows)
+            out["decode kernel >= 70% of copy bandwidth (batch 16, 4k-16k slots)"] = (
+                f"{'met' if worst >= 0.7 else 'not met'}: lowest {100 * worst:.0f}%")
+    decode = report["phases"].get("decode", {}).get("results")
+    if decode:
+        at = {r["method"].split("@")[0]: r for r in decode["rows"] if r["tokens"] == 16384 and "tokens_per_s" in r}
+        if "full" in at and "vase_dkv" in at:
+            ratio = at["vase_dkv"]["tokens_per_s"] / at["full"]["tokens_per_s"]
+            bound = at["vase_dkv"]["bound_tokens_per_s"] / at["full"]["bound_tokens_per_s"]
+            out["vase_dkv vs full tokens/s at 16k >= 3x"] = (
+                f"{'met' if ratio >= 3 else 'not met'}: {ratio:.2f}x (bandwidth bound {bound:.2f}x)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="device_check", help="folder for device_check.json and device_check.md")
+    p.add_argument("--budget-s", type=float, default=470.0, help="time for all phases together")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: tests, kernels, decode")
+    p.add_argument("--layers", type=int, default=None, help="decode phase: layers of the model (default: all 36)")
+    p.add_argument("--phase", choices=("decode",), default=None, help=argparse.SUPPRESS)  # child process
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.phase == "decode":
+        decode_benchmark(layers=args.layers, deadline=args.deadline, json_path=args.json)
+        return 0
+
+    start = time.time()
+    detect = subprocess.run([sys.executable, "-c", DETECT], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    try:
+        env = json.loads(detect.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        print(f"device_check.py: error: could not start jax:\n{detect.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    if env["backend"] not in ("gpu", "tpu"):
+        print(f"device_check.py: no accelerator: jax {env['jax']} sees only {env['backend']} devices "
+              f"({env['device_kind']}). This check runs the kernels compiled on a GPU or a TPU; on this machine the "
+              "kernels are checked by `pytest tests/test_kernels.py tests/test_lowering.py` (interpret mode and "
+              "lowering). Nothing was run.", file=sys.stderr)
+        return NO_ACCELERATOR
+    env["python"] = platform.python_version()
+    os.makedirs(args.out, exist_ok=True)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    report = dict(started=time.strftime("%Y-%m-%d %H:%M:%S"), environment=env, phases={})
+    deadline = start + args.budget_s
+
+    def remaining() -> float:
+        return deadline - time.time()
+
+    # 1. compiled kernel tests
+    if "tests" not in skip:
+        other = "pallas_tpu" if env["backend"] == "gpu" else "pallas-"  # the other family would run interpreted
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+               "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other}"]
+        phase = _run(cmd, min(130.0, remaining() - 290))
+        summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
+        phase.update(status="passed" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed"),
+                     summary=summary)
+        report["phases"]["tests"] = phase
+    # 2. kernel benchmark
+    if "kernels" not in skip:
+        path = os.path.join(args.out, "kernels.json")
+        cmd = [sys.executable, "scripts/bench_kernels.py", "--batches", "1,16", "--lengths", "1024,4096,16384",
+               "--group", "4", "--kv-heads", "8", "--repeats", "5", "--json", path]
+        phase = _run(cmd, min(90.0, remaining() - 220))
+        phase["status"] = "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
+        if os.path.exists(path):
+            with open(path) as f:
+                phase["results"] = json.load(f)
+        report["phases"]["kernels"] = phase
+    # 3. decode benchmark
+    if "decode" not in skip:
+        path = os.path.join(args.out, "decode.json")
+        child_deadline = time.time() + remaining() - 20  # the child stops starting new figures here
+        cmd = [sys.executable, "scripts/device_check.py", "--phase", "decode", "--json", path,
+               "--deadline", str(child_deadline)] + (["--layers", str(args.layers)] if args.layers else [])
+        phase = _run(cmd, remaining() - 5)
+        phase["status"] = "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
+        if os.path.exists(path):
+            with open(path) as f:
+                phase["results"] = json.load(f)
+        report["phases"]["decode"] = phase
+
+    report["seconds"] = time.time() - start
+    report["targets"] = targets(report)
+    with open(os.path.join(args.out, "device_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    table = markdown(report)
+    with open(os.path.join(args.out, "device_check.md"), "w") as f:
+        f.write(table)
+    print(table)
+    ok = all(phase.get("status") in ("passed", "done") for phase in report["phases"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

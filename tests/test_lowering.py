@@ -1,0 +1,126 @@
+"""`generate` lowered for GPU (cuda) and TPU on this CPU host: the platform's Pallas kernels must be in the program.
+
+For every packaged Qwen3 config's attention geometry (GQA groups 2, 4, 5 and 8 over 8 kv heads, head_dim 128), in
+bfloat16 and float32, for `full` and every eviction method, `generate` (prefill, decode loop, eviction) is traced
+with `attention_impl="auto"` at the paper's sizes (N = 2048, B = 64; 4096 new tokens) and lowered for `("cuda",)`
+and for `("tpu",)`. Lowering runs every Pallas lowering rule (block shapes, unsupported ops) but does not compile:
+the Triton -> PTX and Mosaic compilers run only on the device (`scripts/device_check.py`).
+
+The models are abstract (`nnx.eval_shape`): the real head geometry with a narrow residual stream (hidden 256),
+one layer and a 512-token vocabulary, so tracing is cheap and no weights are allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import vase_jax as vj
+from pallas_kernels.dispatch import lowering_target
+from vase_jax.config import Qwen3Config
+from vase_jax.eviction.registry import METHODS
+from vase_jax.generate import lower_generate
+
+# jax >= 0.11.2 warns at every Triton lowering that the Pallas Triton backend is deprecated (it still lowers and
+# runs); `test_triton_backend_deprecation_under_jax_0_11` keeps track of it, the other tests need not repeat it.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+CONFIG_DIR = os.path.join(os.path.dirname(vj.__file__), "data", "configs")
+# methods whose policy calls the window-attention score (and so its kernel); rkv_official has its own scoring
+SCORED = {"snapkv", "attn_sample", "range_attn", "range_sample_attn", "vase_attnv", "attn_random", "rkv"}
+KERNELS = {
+    "cuda": dict(marker="__gpu$xla.gpu.triton", decode="vase_decode_attention", mass="vase_window_scores_accumulate",
+                 other="tpu_custom_call"),
+    "tpu": dict(marker="tpu_custom_call", decode="vase_decode_attention_tpu", mass="vase_window_mass_tpu",
+                other="__gpu$xla.gpu.triton"),
+}
+
+
+def _geometries() -> dict[tuple[int, int, int], list[str]]:
+    """(num_heads, num_kv_heads, head_dim) -> the packaged configs that have it."""
+    out: dict[tuple[int, int, int], list[str]] = {}
+    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json"))):
+        cfg = Qwen3Config.from_json_file(path)
+        out.setdefault((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), []).append(os.path.basename(path)[:-5])
+    return out
+
+
+GEOMETRIES = _geometries()
+GEOMETRY_IDS = {g: f"g{g[0] // g[1]}-{'+'.join(names)}" for g, names in GEOMETRIES.items()}
+
+
+def test_packaged_geometries_cover_the_gqa_groups():
+    groups = sorted({h // kv for h, kv, _ in GEOMETRIES})
+    assert groups == [2, 4, 5, 8]
+    assert {d for _, _, d in GEOMETRIES} == {128}
+
+
+@functools.cache
+def _model(geometry: tuple[int, int, int], dtype: str) -> vj.Qwen3:
+    num_heads, num_kv_heads, head_dim = geometry
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0)))
+
+
+def _lowered_texts(model, method: str) -> dict[str, str]:
+    ids = jnp.ones((2, 20), jnp.int32)
+    mask = jnp.ones((2, 20), jnp.int32).at[1, :5].set(0)  # row 1 left-padded
+    # full-size caches (lowering costs the same whatever the sizes): several kernel blocks, a partial last one
+    config = vj.GenerateConfig(max_new_tokens=4096, temperature=0.6, top_p=0.95)
+    eviction = vj.EvictionConfig(method, budget=2048, buffer=64, attention_impl="auto")
+    texts = {}
+    for platform in KERNELS:
+        with lowering_target(platform):  # jax >= 0.11 on a CPU host: an abstract GPU for the Triton lowering
+            lowered = lower_generate(model, ids, mask, key=jax.random.key(0), config=config, eviction=eviction,
+                                     platforms=(platform,))
+        texts[platform] = lowered.as_text()
+    return texts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES), ids=lambda g: GEOMETRY_IDS[g])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_generate_lowers_with_the_platform_kernels(method, geometry, dtype):
+    texts = _lowered_texts(_model(geometry, dtype), method)
+    for platform, text in texts.items():
+        names = KERNELS[platform]
+        assert names["marker"] in text, f"{platform}: no Pallas kernel in the lowered generate"
+        assert names["decode"] in text, f"{platform}: decode attention is not the Pallas kernel"
+        assert names["other"] not in text, f"{platform}: the other platform's kernel was lowered"
+        if method in SCORED:
+            assert names["mass"] in text, f"{platform}: the window score is not the Pallas kernel"
+        else:
+            assert names["mass"] not in text, f"{platform}: {method} unexpectedly calls the window-score kernel"
+
+
+def test_auto_lowers_no_kernel_for_the_host():
+    geometry = next(iter(GEOMETRIES))
+    model = _model(geometry, "float32")
+    ids, mask = jnp.ones((1, 20), jnp.int32), jnp.ones((1, 20), jnp.int32)
+    eviction = vj.EvictionConfig("vase_attnv", budget=256, buffer=64, attention_impl="auto")
+    text = lower_generate(model, ids, mask, key=jax.random.key(0), config=vj.GenerateConfig(max_new_tokens=8),
+                          eviction=eviction, platforms=("cpu",)).as_text()
+    assert "custom_call @__gpu" not in text and "tpu_custom_call" not in text
+
+
+def test_small_model_is_abstract():
+    # the lowering models hold no weights: only shapes (so every geometry is cheap, whatever its width)
+    leaves = jax.tree.leaves(nnx.state(_model(next(iter(GEOMETRIES)), "bfloat16")))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="jax < 0.11: the Pallas Triton backend is not deprecated")
+def test_triton_backend_deprecation_under_jax_0_11():
+    # jax 0.11.x (the GPU machine's) deprecates Pallas' Triton lowering: it warns, and lowers, on every call. When a
+    # release stops lowering it, this test fails first: the GPU kernels then need the Mosaic GPU backend.
+    model = _model(next(iter(GEOMETRIES)), "bfloat16")
+    with pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated"):
+        texts = _lowered_texts(model, "full")
+    assert KERNELS["cuda"]["decode"] in texts["cuda"]
