@@ -280,9 +280,16 @@ def decode_attention(
 # pure-JAX reference (the CPU production path)
 # ------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_size", "scale"))
-def _decode_reference(q, k, v, pos, length, block_mask, *, block_size, scale):
+def _decode_reference(q, k, v, pos, length, block_mask, layer=None, *, block_size, scale):
     batch, kv_heads, group, head_dim = q.shape
-    capacity = k.shape[2]
+    capacity = k.shape[-2]
+
+    def block_of(x, start, block):  # slots [start, start + block) of x (of layer `layer` when x is stacked)
+        if layer is None:
+            return lax.dynamic_slice_in_dim(x, start, block, axis=2)
+        starts = (layer, 0, 0, start) + (0,) * (x.ndim - 4)
+        return lax.dynamic_slice(x, starts, (1, *x.shape[1:3], block, *x.shape[4:]))[0]
+
     block = min(block_size, capacity)
     length = jnp.clip(jnp.asarray(length, jnp.int32), 0, capacity)
     used_blocks = (length + block - 1) // block
@@ -295,13 +302,9 @@ def _decode_reference(q, k, v, pos, length, block_mask, *, block_size, scale):
         # already counted and are masked out.
         start = jnp.minimum(i * block, capacity - block)
         slots = start + offsets  # [block]
-        k_blk = lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(
-            jnp.float32
-        )  # [batch, kv_heads, block, hd]
-        v_blk = lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(
-            jnp.float32
-        )  # [batch, kv_heads, block, hd]
-        p_blk = lax.dynamic_slice_in_dim(pos, start, block, axis=2)  # [batch, kv_heads, block]
+        k_blk = block_of(k, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        v_blk = block_of(v, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        p_blk = block_of(pos, start, block)  # [batch, kv_heads, block]
         valid = (p_blk >= 0) & ((slots >= i * block) & (slots < length))[None, None, :]
         if block_mask is not None:
             valid = valid & lax.dynamic_index_in_dim(block_mask, i, axis=2, keepdims=True)
@@ -345,15 +348,24 @@ def decode_attention_reference(
     block_size: int = DEFAULT_BLOCK_SIZE,
     scale: float | None = None,
     block_mask: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
     **unused,
 ) -> jax.Array:
     """Pure-JAX twin of `decode_attention` (same arguments; kernel-only ones like `num_splits` are ignored).
 
     A `lax.while_loop` over blocks of `block_size` slots that stops after ceil(length / block_size) blocks,
     with an online softmax in float32. Any block size >= 1 works here (the kernel needs a power of two).
+
+    `layer`: with a stacked cache (k, v `[layers, batch, kv_heads, capacity, head_dim]`, pos `[layers, batch,
+    kv_heads, capacity]`), attend over that layer: each block is sliced straight from the stack, so the layer is
+    never copied out (a traced index works, as inside a `lax.scan` over layers).
     """
     del unused
-    _check_args(q, k, v, pos, length, block_size, block_mask)
+    if layer is not None:
+        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
+        _check_args(q, *one_layer, length, block_size, block_mask)
+    else:
+        _check_args(q, k, v, pos, length, block_size, block_mask)
     return _decode_reference(
-        q, k, v, pos, length, block_mask, block_size=block_size, scale=_scale(scale, q.shape[3])
+        q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=_scale(scale, q.shape[3])
     )
