@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import resource
 import sys
 import time
@@ -32,7 +31,7 @@ import vase_jax as vj
 from vase_jax import bench as vb
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import query_window
+from vase_jax.generate import lower_generate, query_window, resolve_layer_loop
 
 HOW = {
     "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
@@ -83,6 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--model", default="qwen3-0.6b", help="hub id, local HF folder, or named random model")
     a("--layers", type=int, default=None, help="named random models: number of layers")
     a("--vocab", type=int, default=None, help="named random models: vocabulary size")
+    a("--hidden", type=int, default=None, help="named random models: hidden size (heads unchanged)")
+    a("--intermediate", type=int, default=None, help="named random models: MLP width")
+    a("--layer-loop", default="auto", choices=("auto", "scan", "unroll"),
+      help="how the decode step runs the layers (GenerateConfig.layer_loop)")
+    a("--compile-only", action="store_true",
+      help="only compile generate per method and budget (the first --output-lens): compile seconds and "
+           "Compiled.memory_analysis() temporaries, no timed runs")
     a("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 (CPU), bfloat16 (GPU)")
     a("--batch", type=int, default=4)
     a("--prompt-len", type=int, default=128, help="random prompt tokens per row")
@@ -145,12 +151,13 @@ def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
     named = vb.named_configs()
     name = args.model.lower()
     if name in named:
-        cfg = vb.shrink(named[name], args.layers, args.vocab)
-        desc = f"{name} (random weights, {cfg.num_layers} layers, vocab {cfg.vocab_size})"
+        cfg = vb.shrink(named[name], args.layers, args.vocab, args.hidden, args.intermediate)
+        desc = (f"{name} (random weights, {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp "
+                f"{cfg.intermediate_size}, vocab {cfg.vocab_size})")
         return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed)), desc
-    if args.layers is not None or args.vocab is not None:
-        raise ValueError(f"--layers / --vocab apply to named random models ({', '.join(named)}) only, not to "
-                         f"--model={args.model!r}")
+    if any(getattr(args, n) is not None for n in ("layers", "vocab", "hidden", "intermediate")):
+        raise ValueError(f"--layers / --vocab / --hidden / --intermediate apply to named random models "
+                         f"({', '.join(named)}) only, not to --model={args.model!r}")
     return vj.Qwen3.from_pretrained(args.model, dtype=dtype), args.model
 
 
@@ -184,7 +191,7 @@ class Bench:
 
             def call():
                 box[0], tok = vb.decode_steps(self.graphdef, self.state, box[0], token, jnp.int32(length),
-                                              steps, self.args.attention_impl)
+                                              steps, self.args.attention_impl, self.args.layer_loop)
                 return tok
 
             self.memo[key] = vb.time_runs(call, self.args.repeats, 1).map(lambda s: s / steps * 1e3)
@@ -206,10 +213,31 @@ class Bench:
             self.memo[key] = vb.time_runs(call, max(self.args.repeats, 5), 1).map(lambda s: s * 1e3)
         return self.memo[key]
 
+    def generate_config(self, n: int) -> vj.GenerateConfig:
+        return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
+                                 layer_loop=self.args.layer_loop)
+
+    def compile_only(self, ev: EvictionConfig, n: int) -> dict:
+        """Compile seconds and memory analysis of generate for one configuration, without running it."""
+        t = self.ids.shape[1]
+        raw_ids, raw_mask = self.ids[:, t - self.args.prompt_len:], self.mask[:, t - self.args.prompt_len:]
+        start = time.perf_counter()
+        lowered = lower_generate(self.model, raw_ids, raw_mask, key=jax.random.key(0), config=self.generate_config(n),
+                                 eviction=ev)
+        lower_s = time.perf_counter() - start
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - start
+        mem = compiled.memory_analysis()
+        return {"method": ev.method, "budget": ev.budget if ev.evicts else None, "output_len": n,
+                "capacity": framework.capacity_for(ev, t, t - self.args.prompt_len, n),
+                "lower_s": lower_s, "compile_s": compile_s, "hlo_lines": len(compiled.as_text().splitlines()),
+                "temp_bytes": None if mem is None else mem.temp_size_in_bytes,
+                "argument_bytes": None if mem is None else mem.argument_size_in_bytes}
+
     def run(self, ev: EvictionConfig, n: int) -> tuple[dict, np.ndarray]:
         """Every figure of one (method, budget, output length); also returns the generated tokens."""
         args, b, t = self.args, self.batch, self.ids.shape[1]
-        gen = vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0)
+        gen = self.generate_config(n)
         capacity = framework.capacity_for(ev, t, t - args.prompt_len, n)
         window = query_window(ev)
         key = jax.random.key(args.seed)
@@ -382,8 +410,10 @@ def markdown(result: dict) -> str:
     mib = 2**20
     lines = [
         f"Command: `{meta['command']}`", "",
-        f"Machine: {meta['device']}, {meta['cpu_count']} CPUs, jax {meta['jax']}; load average (1, 5, 15 "
-        f"min) at start {meta['load_start']}, at end {meta['load_end']}. Model: {meta['model']}, {meta['dtype']}, "
+        f"Machine: {meta['device']}, {meta['cpu_model']}, {meta['cpu_count']} CPUs, jax {meta['jax']}; load average "
+        f"(1, 5, 15 min) at start {meta['load_start']}, at end {meta['load_end']}"
+        f"{' (WARNING: busy machine)' if meta['load_warning'] else ''}; layer loop {meta['layer_loop']}. "
+        f"Model: {meta['model']}, {meta['dtype']}, "
         f"{meta['param_bytes'] / mib:.0f} MiB of weights; batch {meta['batch']}, prompt {meta['prompt_len']} "
         f"tokens (bucket {meta['prompt_bucket']}); {meta['repeats']} timed runs after {meta['warmup']} "
         "warm-up.",
@@ -479,6 +509,34 @@ def _json_default(x):
     return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
+def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """--compile-only: one line per configuration, and results.json / results.md under --out."""
+    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
+    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
+    bench = Bench(args, model, ids, mask)
+    rows = [bench.compile_only(ev, args.output_lens[0]) for ev in configs]
+    layer = model.cfg.num_layers
+    lines = [f"Compile of generate: {model_desc}, {jnp.dtype(model.dtype).name}, batch {args.batch}, prompt "
+             f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {resolve_layer_loop(args.layer_loop)}; "
+             f"CPU {vb.cpu_model()}, jax {jax.__version__}, load {load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}",
+             "", "| method | budget | capacity | compile s (lower s) | HLO lines | temporaries MiB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
+        lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['capacity']} | {r['compile_s']:.1f} "
+                     f"({r['lower_s']:.1f}) | {r['hlo_lines']} | {temp} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"model": model_desc, "layers": layer, "cpu_model": vb.cpu_model(), "jax": jax.__version__,
+                "load_start": list(load_start), "load_end": list(os.getloadavg())}
+        (out / "results.json").write_text(json.dumps({"meta": meta, "compile": rows}, indent=1))
+        (out / "results.md").write_text(text + "\n")
+    return 0
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -494,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     load_start = os.getloadavg()
+    warning = vb.load_warning(load_start[0])
+    if warning:
+        print(f"bench.py: warning: {warning}", file=sys.stderr, flush=True)
+    print(f"CPU {vb.cpu_model()}, load {load_start[0]:.2f}; layer loop "
+          f"{resolve_layer_loop(args.layer_loop)}", flush=True)
+    if args.compile_only:
+        return compile_report(args, model, model_desc, configs, load_start)
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
     ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
     bench = Bench(args, model, ids, mask)
@@ -545,8 +610,10 @@ def main(argv: list[str] | None = None) -> int:
             "param_bytes": vb.param_bytes(model), "batch": args.batch, "prompt_len": args.prompt_len,
             "prompt_bucket": int(ids.shape[1]), "repeats": args.repeats, "warmup": args.warmup,
             "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
+            "layer_loop": resolve_layer_loop(args.layer_loop), "cpu_model": vb.cpu_model(),
+            "load_warning": vb.load_warning(load_start[0]),
             "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(),
             "jax": jax.__version__, "load_start": [round(x, 2) for x in load_start],
             "load_end": [round(x, 2) for x in os.getloadavg()],
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -23,10 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import jax.numpy as jnp
 
-        from vase_jax.weights import load_pretrained, resolve_checkpoint, save_orbax
+        from vase_jax.model import Qwen3
+        from vase_jax.weights import resolve_checkpoint, save_orbax
 
         source = resolve_checkpoint(args.model)
-        model = load_pretrained(str(source), dtype=getattr(jnp, args.dtype))
+        model = Qwen3.from_pretrained(str(source), dtype=getattr(jnp, args.dtype))
         out = save_orbax(model, args.out, source=source)
     except ValueError as e:
         print(f"convert.py: error: {e}", file=sys.stderr)

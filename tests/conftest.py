@@ -9,17 +9,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-VOCAB = 151936  # the real Qwen3 vocabulary, so the real tokenizer's ids are valid
-
 
 def hf_tiny_config(**overrides):
+    """The HF config of `vase_jax.random_model.TINY` (the one tiny shape), with `overrides` of HF fields."""
     from transformers import Qwen3Config
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0,
-              max_position_embeddings=8192, rms_norm_eps=1e-6)
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    from vase_jax.random_model import TINY
+
+    kw = dict(vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size, intermediate_size=TINY.intermediate_size,
+              num_hidden_layers=TINY.num_layers, num_attention_heads=TINY.num_heads,
+              num_key_value_heads=TINY.num_kv_heads, head_dim=TINY.head_dim,
+              tie_word_embeddings=TINY.tie_word_embeddings, rope_theta=TINY.rope_theta,
+              max_position_embeddings=8192, rms_norm_eps=TINY.rms_norm_eps)
+    return Qwen3Config(**(kw | overrides))
 
 
 def save_tiny_checkpoint(folder, seed: int = 0, dtype: str = "float32", init_std: float = 0.02, **overrides):

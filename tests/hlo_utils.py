@@ -8,6 +8,7 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
+_SLICE = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:dynamic-slice|slice)\(")
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
@@ -34,14 +35,50 @@ def _callees(lines: list[str], follow_branches: bool) -> set[str]:
     return out
 
 
+def _reachable(comps: dict[str, list[str]], roots: set[str]) -> set[str]:
+    """Every computation reachable from `roots` (branches followed)."""
+    seen, stack = set(), list(roots)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        stack.extend(_callees(comps[name], follow_branches=True))
+    return seen
+
+
 def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
     """Copy instructions reachable from any while-loop body whose dims (a tuple of ints) pass `shape_filter`.
+    Loops under a `prefill` named scope (its scan over layers) run once per call and are not counted.
 
     With `follow_branches=False`, computations reached only through a `conditional` (the eviction branch, which runs
     once every `buffer` steps) are not counted as per-step work.
     """
+    return _per_step(hlo, _COPY, shape_filter, follow_branches)
+
+
+def per_step_slices(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
+    """Like `per_step_copies`, for `slice` and `dynamic-slice` instructions: XLA:CPU materializes a slice that a dot
+    reads, so a weight-sized slice in the decode loop is a per-step copy of (part of) a weight."""
+    return _per_step(hlo, _SLICE, shape_filter, follow_branches)
+
+
+def dims_of(line: str) -> tuple[int, ...]:
+    """The result dims of a line that `per_step_copies` or `per_step_slices` returned."""
+    m = _COPY.search(line) or _SLICE.search(line)
+    return tuple(int(d) for d in m.group(2).split(",") if d)
+
+
+def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool) -> list[str]:
     comps = computations(hlo)
-    bodies = {m for lines in comps.values() for line in lines for m in re.findall(r"body=%?([\w.\-]+)", line)}
+    bodies = {m for lines in comps.values() for line in lines if "/prefill/" not in line  # runs once per call
+              for m in re.findall(r"body=%?([\w.\-]+)", line)}
+    if not follow_branches:  # loops inside a conditional's branches (the eviction's loop over layers) run per event
+        branches = {n.strip().lstrip("%") for lines in comps.values() for line in lines
+                    for group in _BRANCHES.findall(line) for n in group.split(",")}
+        branches |= {m for lines in comps.values() for line in lines if " conditional(" in line
+                     for m in re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)}
+        bodies -= _reachable(comps, branches)
     seen, stack = set(), list(bodies)
     while stack:
         name = stack.pop()
@@ -52,7 +89,7 @@ def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False) -> li
     found = []
     for name in seen:
         for line in comps[name]:
-            m = _COPY.search(line)
+            m = pattern.search(line)
             if m and shape_filter(tuple(int(d) for d in m.group(2).split(",") if d)):
                 found.append(f"{name}: {line.strip()[:160]}")
     return found

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hlo_utils import per_step_copies
+from hlo_utils import dims_of, per_step_copies, per_step_slices
 
 import vase_jax as vj
 from vase_jax.eviction import framework
@@ -67,10 +67,11 @@ def test_end_tokens_stop_rows_and_pad(model, prompt_batch):
             assert (toks[r, k + 1:] == 7).all()
 
 
-def test_decode_loop_has_no_cache_sized_copy_per_step(model):
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
     graphdef, state = nnx.split(model)
     ids = jnp.ones((2, 64), jnp.int32)
-    cfg = vj.GenerateConfig(max_new_tokens=200, temperature=0.6)
+    cfg = vj.GenerateConfig(max_new_tokens=200, temperature=0.6, layer_loop=layer_loop)
     for ev in (vj.EvictionConfig("full"), vj.EvictionConfig("vase_attnv", budget=128, buffer=32)):
         cap = framework.capacity_for(ev, 64, 0, cfg.max_new_tokens)
         hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), cfg, ev,
@@ -83,6 +84,15 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model):
         weights = per_step_copies(
             hlo, lambda dims, c=c, n=smallest_weight: c.hidden_size in dims and math.prod(dims) >= n)
         assert weights == [], "\n".join(weights)
+        # Weights a dot reads through a slice: XLA:CPU materializes the slice. Unrolled, the layers' weights are
+        # sliced once before the loop, so no step slices a weight; scanned, each step slices one layer at a time
+        # (never the stack), which is why "auto" unrolls on CPU.
+        largest_layer_weight = max(math.prod(x.shape[1:]) for x in model.layer_weights().values())
+        sliced = per_step_slices(hlo, lambda dims, c=c, n=smallest_weight: math.prod(dims) >= n)
+        if layer_loop == "unroll":
+            assert sliced == [], "\n".join(sliced)
+        else:
+            assert sliced and all(math.prod(dims_of(line)) <= largest_layer_weight for line in sliced), sliced
         # the check can see copies: the eviction branch (once per `buffer` steps) does rewrite the cache
         if ev.evicts:
             assert per_step_copies(hlo, lambda dims, cap=cap: cap in dims, follow_branches=True)
@@ -183,6 +193,7 @@ def test_sampling_follows_the_filtered_distribution():
         (dict(mask=np.ones((3, 5), np.int32)), "attention_mask"),
         (dict(ids=np.zeros((3, 0), np.int32), mask=np.zeros((3, 0), np.int32)), "empty prompt"),
         (dict(mask=np.array([[1, 1, 1], [0, 0, 0], [0, 1, 1]], np.int32)), "empty prompt"),
+        (dict(config=vj.GenerateConfig(layer_loop="python")), "layer_loop"),
         (dict(eviction=vj.EvictionConfig("nope", budget=128)), "method"),
         (dict(eviction=vj.EvictionConfig("snapkv", budget=100, buffer=64)), "budget"),
         (dict(eviction=vj.EvictionConfig("snapkv", budget=64, buffer=64)), "budget"),

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import vase_jax as vj
-from vase_jax.cache import prefill_cache
-from vase_jax.generate import decode_step
+from vase_jax.generate import decode_step, prefill
 
 
 def hf_logits(hf, ids, mask):
@@ -45,14 +44,15 @@ def test_prefill_plus_decode_equals_full_forward(tiny_tied, prompt_batch):
     full_mask = jnp.concatenate([mask, jnp.ones_like(extra)], axis=1)
     full = np.asarray(model(full_ids, full_mask))  # [batch, seq + 6, vocab]
 
-    logits, keys, values, _ = model.prefill(ids, mask)
-    cache = prefill_cache(model.cfg, keys, values, None, mask, ids.shape[1] + 8, 0)
-    np.testing.assert_allclose(np.asarray(logits[:, -1]), full[:, ids.shape[1] - 1], atol=1e-4, rtol=0)
+    logits, cache0 = prefill(model, ids, mask, ids.shape[1] + 8, 0)
+    np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] - 1], atol=1e-4, rtol=0)
     step = jax.jit(decode_step, static_argnums=(3,))
-    for i in range(extra.shape[1]):
-        logits, cache = step(model, cache, extra[:, i], "xla")
-        np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] + i], atol=1e-4, rtol=0)
-    assert int(cache.length) == ids.shape[1] + extra.shape[1]
+    for layers in (None, model.layer_weights(unstack=True)):  # scanned, then unrolled layers
+        cache = cache0
+        for i in range(extra.shape[1]):
+            logits, cache = step(model, cache, extra[:, i], "xla", layers)
+            np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] + i], atol=1e-4, rtol=0)
+        assert int(cache.length) == ids.shape[1] + extra.shape[1]
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -25,17 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vase_jax.cache import KVCache
+from vase_jax import random_model, weights
+from vase_jax.cache import KVCache, cache_shapes
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, decode_step
+from vase_jax.generate import GenerateConfig, decode_step, resolve_layer_loop
 from vase_jax.generate import prefill as generate_prefill
 from vase_jax.model import Qwen3
 
-# A model for smoke tests (seconds to compile and run).
-TINY = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=1 << 16)
+# A model for smoke tests (seconds to compile and run): the tiny test shape with a 1024-token vocabulary.
+TINY = dataclasses.replace(random_model.TINY, vocab_size=1024)
 # Long generations on a CPU: Qwen3's head_dim (128) and GQA group (2) but 12 MB of float32 weights, so that
 # the cache dominates the bytes a step reads after a few thousand tokens (at 8k tokens, batch 2: 67 MB).
 SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
@@ -53,12 +54,40 @@ def named_configs() -> dict[str, Qwen3Config]:
     return out
 
 
-def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None) -> Qwen3Config:
-    """The same shape with fewer (or more) layers and/or another vocabulary size."""
-    for name, v in (("layers", layers), ("vocab", vocab)):
+def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None, hidden: int | None = None,
+           intermediate: int | None = None) -> Qwen3Config:
+    """The same shape with another number of layers, vocabulary size, hidden or MLP width (heads unchanged):
+    e.g. Qwen3-4B's 36 layers and heads with widths of 256, whose compile time is that of the real model."""
+    sizes = {"layers": layers, "vocab": vocab, "hidden": hidden, "intermediate": intermediate}
+    for name, v in sizes.items():
         if v is not None and v < 1:
             raise ValueError(f"--{name}={v} must be >= 1")
-    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size)
+    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size,
+                               hidden_size=hidden or cfg.hidden_size,
+                               intermediate_size=intermediate or cfg.intermediate_size)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+QUIET_LOAD = 1.2  # a 1-minute load average above this distorts CPU timings (and their ratios)
+
+
+def load_warning(load: float) -> str | None:
+    """A warning when the machine is busy, or None."""
+    if load <= QUIET_LOAD:
+        return None
+    return (f"load average {load:.2f} > {QUIET_LOAD}: other processes share the CPU; timings and ratios (HF's "
+            f"thread pool suffers more than XLA's) are not reliable; benchmark on a quiet machine")
 
 
 def param_bytes(model: Qwen3) -> int:
@@ -169,9 +198,7 @@ def cache_schedule(
     for s in range(max_new_tokens - 1):
         reads[s] = length + 1
         length, seen = length + 1, seen + 1
-        if eviction.evicts and (
-            (seen > eviction.budget and seen % eviction.buffer == 0) or length >= capacity
-        ):
+        if eviction.evicts and framework.trigger(seen, length, capacity, eviction):
             length = seen = eviction.budget
             events += 1
     return Schedule(reads, events, length)
@@ -218,35 +245,30 @@ def filled_cache(
     cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0
 ) -> KVCache:
     """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1)."""
-    key = jax.random.key(seed)
-    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
+    shapes = cache_shapes(cfg, batch, capacity, window)
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    pos = jnp.broadcast_to(jnp.where(slot < length, slot, -1), shape[:3])  # [batch, kv_heads, capacity]
-    ks, vs, qs = [], [], []
-    for i in range(cfg.num_layers):
-        kk, kv, kq = jax.random.split(jax.random.fold_in(key, i), 3)
-        ks.append(jax.random.normal(kk, shape, jnp.float32).astype(dtype))
-        vs.append(jax.random.normal(kv, shape, jnp.float32).astype(dtype))
-        if window:
-            q_shape = (batch, cfg.num_kv_heads, cfg.group, window, cfg.head_dim)
-            qs.append(jax.random.normal(kq, q_shape, jnp.float32).astype(dtype))
-    # every leaf its own buffer, so the cache can be donated
-    return KVCache(k=tuple(ks), v=tuple(vs), pos=tuple(jnp.array(pos) for _ in ks), queries=tuple(qs),
-                   query_valid=jnp.ones((batch, window), bool), row_pos=jnp.full((batch,), length, jnp.int32),
+    return KVCache(k=jax.random.normal(kk, shapes["k"], jnp.float32).astype(dtype),
+                   v=jax.random.normal(kv, shapes["v"], jnp.float32).astype(dtype),
+                   pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), shapes["pos"]),
+                   queries=jax.random.normal(kq, shapes["queries"], jnp.float32).astype(dtype),
+                   query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
                    length=jnp.array(length, jnp.int32), seen=jnp.array(length, jnp.int32),
                    time=jnp.array(length, jnp.int32), evictions=jnp.array(0, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
-def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
+def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str,
+                 layer_loop: str = "auto"):
     """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
     The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token)."""
     model = nnx.merge(graphdef, state)
     cache = cache.replace(length=start, seen=start, time=start, row_pos=jnp.full_like(cache.row_pos, start))
+    layers = model.layer_weights(unstack=resolve_layer_loop(layer_loop) == "unroll")  # as generate runs them
 
     def body(_, carry):
         c, tok = carry
-        logits, c = decode_step(model, c, tok, attention_impl)
+        logits, c = decode_step(model, c, tok, attention_impl, layers)
         return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     return jax.lax.fori_loop(0, steps, body, (cache, token))
@@ -284,35 +306,6 @@ def hf_config(cfg: Qwen3Config):
     )
 
 
-def hf_state_dict(model: Qwen3) -> dict[str, np.ndarray]:
-    """Our parameters under HF names and layouts (the inverse of `vase_jax.weights`' mapping), as float32."""
-    cfg = model.cfg
-    e = cfg.hidden_size
-
-    def a(p) -> np.ndarray:
-        return np.asarray(p[...], np.float32)
-
-    out = {"model.embed_tokens.weight": a(model.embedding), "model.norm.weight": a(model.norm.weight)}
-    out["lm_head.weight"] = out["model.embed_tokens.weight"] if model.lm_head is None else a(model.lm_head).T
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        at = layer.attn
-        out |= {
-            p + "input_layernorm.weight": a(layer.input_norm.weight),
-            p + "post_attention_layernorm.weight": a(layer.post_attn_norm.weight),
-            p + "self_attn.q_proj.weight": a(at.q_proj).reshape(e, -1).T,  # [e, hq, d] -> [hq * d, e]
-            p + "self_attn.k_proj.weight": a(at.k_proj).reshape(e, -1).T,
-            p + "self_attn.v_proj.weight": a(at.v_proj).reshape(e, -1).T,
-            p + "self_attn.o_proj.weight": a(at.o_proj).reshape(-1, e).T,  # [hq, d, e] -> [e, hq * d]
-            p + "self_attn.q_norm.weight": a(at.q_norm.weight),
-            p + "self_attn.k_norm.weight": a(at.k_norm.weight),
-            p + "mlp.gate_proj.weight": a(layer.mlp.gate_proj).T,
-            p + "mlp.up_proj.weight": a(layer.mlp.up_proj).T,
-            p + "mlp.down_proj.weight": a(layer.mlp.down_proj).T,
-        }
-    return out
-
-
 def to_hf(model: Qwen3, torch_dtype=None):
     """A `transformers.Qwen3ForCausalLM` holding `model`'s weights (eval mode)."""
     import torch
@@ -320,6 +313,7 @@ def to_hf(model: Qwen3, torch_dtype=None):
 
     torch_dtype = torch_dtype or torch.float32
     hf = Qwen3ForCausalLM(hf_config(model.cfg)).eval()
-    state = {k: torch.from_numpy(np.array(v, np.float32, copy=True)) for k, v in hf_state_dict(model).items()}
+    exported = weights.hf_state_dict(weights.flat_params(model), model.cfg)
+    state = {k: torch.from_numpy(np.array(v, np.float32, copy=True)) for k, v in exported.items()}
     hf.load_state_dict(state, strict=True)
     return hf.to(torch_dtype)

@@ -1,15 +1,18 @@
 """The fixed-shape KV cache pytree and its pure update functions.
 
-Layout (DESIGN.md): per layer `k`, `v` [batch, kv_heads, capacity, head_dim] (keys post-RoPE, never re-rotated) and
-`pos` [batch, kv_heads, capacity] int32 (the absolute position a slot holds, -1 when empty or padding; after an
-eviction every (row, kv head) holds its own selection, hence both axes). Rows advance in lock-step: `length` slots
-are in use in every row. Attention-scored eviction policies also need `queries`, a ring buffer of the post-RoPE
-queries of the newest `window` tokens, per layer [batch, kv_heads, group, window, head_dim]; the token written at
-time t sits in ring slot t % window.
+Layout (DESIGN.md), stacked over layers, every axis named in `CACHE_AXES`: `k`, `v` [layers, batch, kv_heads,
+capacity, head_dim] (keys post-RoPE, never re-rotated) and `pos` [layers, batch, kv_heads, capacity] int32 (the
+absolute position a slot holds, -1 when empty or padding; after an eviction every (layer, row, kv head) holds its
+own selection). Rows advance in lock-step: `length` slots are in use in every row. Attention-scored eviction
+policies also need `queries`, a ring buffer of the post-RoPE queries of the newest `window` tokens, [layers, batch,
+kv_heads, group, window, head_dim]; the token written at time t sits in ring slot t % window.
 
 Scalars: `length` (slots in use), `seen` (the reference's `cur_len`: real tokens held by the longest row, which
 drives the eviction trigger and is not shifted by padding), `time` (tokens written so far, padding included),
 `evictions` (eviction events so far). `row_pos` [batch] is each row's next RoPE position (its real tokens so far).
+
+Writes are `dynamic_update_slice`s into the stacked arrays at a (possibly traced) layer index: in place inside
+a loop, whether the layers are scanned or unrolled.
 """
 
 from __future__ import annotations
@@ -20,13 +23,23 @@ from flax import struct
 
 from vase_jax.config import Qwen3Config
 
+# Logical axis names of every cache array (sharding maps names to mesh axes; `init_cache` reads sizes off them).
+CACHE_AXES = {
+    "k": ("layers", "batch", "kv_heads", "slots", "head_dim"),
+    "v": ("layers", "batch", "kv_heads", "slots", "head_dim"),
+    "pos": ("layers", "batch", "kv_heads", "slots"),
+    "queries": ("layers", "batch", "kv_heads", "group", "window", "head_dim"),
+    "query_valid": ("batch", "window"),
+    "row_pos": ("batch",),
+}
+
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [batch, kv_heads, capacity, head_dim]
-    v: tuple[jax.Array, ...]  # per layer [batch, kv_heads, capacity, head_dim]
-    pos: tuple[jax.Array, ...]  # per layer [batch, kv_heads, capacity] int32, -1 = empty
-    queries: tuple[jax.Array, ...]  # per layer [batch, kv_heads, group, window, head_dim]; () if unused
+    k: jax.Array  # [layers, batch, kv_heads, capacity, head_dim]
+    v: jax.Array  # [layers, batch, kv_heads, capacity, head_dim]
+    pos: jax.Array  # [layers, batch, kv_heads, capacity] int32, -1 = empty
+    queries: jax.Array  # [layers, batch, kv_heads, group, window, head_dim]; window 0 if unused
     query_valid: jax.Array  # [batch, window] bool: ring slot holds a real token's query
     row_pos: jax.Array  # [batch] int32
     length: jax.Array  # int32 scalar
@@ -36,88 +49,122 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
     @property
     def window(self) -> int:
         return self.query_valid.shape[1]
 
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
-def prefill_cache(
-    cfg: Qwen3Config,
-    keys: list[jax.Array],
-    values: list[jax.Array],
-    queries: list[jax.Array] | None,
-    attention_mask: jax.Array,
-    capacity: int,
-    window: int,
-) -> KVCache:
-    """A cache of `capacity` slots holding a left-padded prompt (slots [0, seq)).
 
-    keys/values: per layer [batch, kv_heads, seq, head_dim]; queries: per layer [batch, kv_heads, group, seq,
-    head_dim] or None when no policy needs them; attention_mask: [batch, seq].
-    """
-    b, t = attention_mask.shape
-    mask = attention_mask.astype(bool)
-    positions = jnp.where(mask, jnp.cumsum(mask, axis=1) - 1, -1).astype(jnp.int32)  # [batch, seq]
-    pad = capacity - t
+def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every cache array, from `CACHE_AXES` and the sizes of `cfg`."""
+    sizes = cfg.axis_sizes() | {"batch": batch, "slots": capacity, "window": window}
+    return {name: tuple(sizes[a] for a in axes) for name, axes in CACHE_AXES.items()}
 
-    def grow(x):  # [batch, kv_heads, seq, ...] -> [batch, kv_heads, capacity, ...]
-        widths = [(0, 0)] * x.ndim
-        widths[2] = (0, pad)
-        return jnp.pad(x, widths)
 
-    pos = jnp.pad(jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)), ((0, 0), (0, 0), (0, pad)),
-                  constant_values=-1)
-    # Ring slot r holds the newest prompt token whose time index t' satisfies t' % window == r.
-    r = jnp.arange(window)
-    t_r = (t - 1) - ((t - 1 - r) % window)  # [window]; negative when the prompt is shorter than the window
-    query_valid = (t_r >= 0)[None, :] & jnp.take(mask, jnp.clip(t_r, 0, t - 1), axis=1)  # [batch, window]
-    ring = ()
-    if queries is not None:
-        ring = tuple(
-            jnp.where(query_valid[:, None, None, :, None], jnp.take(q, jnp.clip(t_r, 0, t - 1), axis=3), 0)
-            for q in queries
-        )
-    pos_layers = tuple(pos for _ in keys)
-    real = mask.sum(axis=1).astype(jnp.int32)  # [batch]
+def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype) -> KVCache:
+    """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring."""
+    shapes = cache_shapes(cfg, batch, capacity, window)
     return KVCache(
-        k=tuple(grow(k) for k in keys),
-        v=tuple(grow(v) for v in values),
-        pos=pos_layers,
-        queries=ring,
-        query_valid=query_valid,
-        row_pos=real,
-        length=jnp.int32(t),
-        seen=real.max(),
-        time=jnp.int32(t),
+        k=jnp.zeros(shapes["k"], dtype),
+        v=jnp.zeros(shapes["v"], dtype),
+        pos=jnp.full(shapes["pos"], -1, jnp.int32),
+        queries=jnp.zeros(shapes["queries"], dtype),
+        query_valid=jnp.zeros(shapes["query_valid"], bool),
+        row_pos=jnp.zeros(shapes["row_pos"], jnp.int32),
+        length=jnp.int32(0),
+        seen=jnp.int32(0),
+        time=jnp.int32(0),
         evictions=jnp.int32(0),
     )
 
 
-def write_token(
-    k_cache: jax.Array, v_cache: jax.Array, pos_cache: jax.Array, k: jax.Array, v: jax.Array,
-    row_pos: jax.Array, slot: jax.Array,
-):
-    """Write one token per row at `slot` in place. k, v: [batch, kv_heads, 1, head_dim]; row_pos: [batch]."""
-    b, h = pos_cache.shape[:2]
-    new_pos = jnp.broadcast_to(row_pos[:, None, None], (b, h, 1)).astype(jnp.int32)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, slot, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, slot, 0))
-    pos_cache = jax.lax.dynamic_update_slice(pos_cache, new_pos, (0, 0, slot))
-    return k_cache, v_cache, pos_cache
+def _ring_times(t: int, window: int) -> jax.Array:
+    """Ring slot r holds the newest prompt token whose time index t' satisfies t' % window == r: [window] t'
+    (negative when the prompt is shorter than the window)."""
+    r = jnp.arange(window)
+    return (t - 1) - ((t - 1 - r) % window)
 
 
-def write_query(ring: jax.Array, q: jax.Array, time: jax.Array) -> jax.Array:
-    """ring: [batch, kv_heads, group, window, head_dim]; q: [batch, kv_heads, group, 1, head_dim]."""
-    return jax.lax.dynamic_update_slice(ring, q.astype(ring.dtype), (0, 0, 0, time % ring.shape[3], 0))
+def _prompt_ring_valid(token_mask: jax.Array, window: int) -> jax.Array:
+    """[batch, window]: ring slot holds a real prompt token's query."""
+    t = token_mask.shape[1]
+    t_r = _ring_times(t, window)
+    return (t_r >= 0)[None, :] & jnp.take(token_mask, jnp.clip(t_r, 0, t - 1), axis=1)
 
 
-def ordered_queries(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array]:
+def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array) -> KVCache:
+    """Write one layer of a left-padded prompt into slots [0, seq) of an empty cache (after `start_prompt`).
+
+    k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
+    """
+    t = k.shape[2]
+    new = cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (layer, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (layer, 0, 0, 0, 0)),
+    )
+    if cache.window:
+        t_r = _ring_times(t, cache.window)
+        valid = _prompt_ring_valid(token_mask, cache.window)  # [batch, window]
+        ring = jnp.take(q, jnp.clip(t_r, 0, t - 1), axis=3)  # [batch, kv_heads, group, window, head_dim]
+        ring = jnp.where(valid[:, None, None, :, None], ring, 0).astype(cache.queries.dtype)
+        new = new.replace(queries=jax.lax.dynamic_update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
+    return new
+
+
+def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
+    """Before a prompt of `token_mask` [batch, seq] is written: the positions of slots [0, seq) in every layer
+    (each row counts its real tokens from 0; padding -1), the query ring's validity and the scalars."""
+    t = token_mask.shape[1]
+    positions = jnp.where(token_mask, jnp.cumsum(token_mask, axis=1) - 1, -1).astype(jnp.int32)  # [batch, seq]
+    pos = jnp.broadcast_to(positions[None, :, None, :], cache.pos.shape[:3] + (t,))  # [layers, batch, kv_heads, seq]
+    real = token_mask.sum(axis=1).astype(jnp.int32)  # [batch]
+    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos, (0, 0, 0, 0)),
+                         query_valid=_prompt_ring_valid(token_mask, cache.window), row_pos=real,
+                         length=jnp.int32(t), seen=real.max(), time=jnp.int32(t))
+
+
+def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array) -> KVCache:
+    """Write one token per row of one layer at slot `length - 1` (after `start_token`), in place.
+
+    k, v: [batch, kv_heads, 1, head_dim]; q: [batch, kv_heads, group, 1, head_dim] (into the query ring, if any).
+    """
+    slot = cache.length - 1  # `start_token` counted the token already
+    new = cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (layer, 0, 0, slot, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (layer, 0, 0, slot, 0)),
+    )
+    if cache.window:
+        ring_slot = (cache.time - 1) % cache.window
+        new = new.replace(queries=jax.lax.dynamic_update_slice(
+            cache.queries, q[None].astype(cache.queries.dtype), (layer, 0, 0, 0, ring_slot, 0)))
+    return new
+
+
+def start_token(cache: KVCache) -> KVCache:
+    """Before one token per row is written: its position at slot `length` in every layer (the same for all
+    layers, so written once, before any layer reads `pos`), the query ring's validity and the scalars."""
+    l, b, h, _ = cache.pos.shape
+    new_pos = jnp.broadcast_to(cache.row_pos[None, :, None, None], (l, b, h, 1)).astype(jnp.int32)
+    query_valid = cache.query_valid
+    if cache.window:
+        query_valid = jax.lax.dynamic_update_slice(
+            query_valid, jnp.ones((query_valid.shape[0], 1), bool), (0, cache.time % cache.window))
+    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, new_pos, (0, 0, 0, cache.length)),
+                         query_valid=query_valid, row_pos=cache.row_pos + 1, length=cache.length + 1,
+                         seen=cache.seen + 1, time=cache.time + 1)
+
+
+def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     """The ring of `layer` rolled so the oldest query comes first: ([b, kv_heads, group, window, d], [b, window])."""
     w = cache.window
     order = (cache.time + jnp.arange(w)) % w  # oldest ring slot first
-    return jnp.take(cache.queries[layer], order, axis=3), jnp.take(cache.query_valid, order, axis=1)
+    ring = jax.lax.dynamic_index_in_dim(cache.queries, layer, axis=0, keepdims=False)
+    return jnp.take(ring, order, axis=3), jnp.take(cache.query_valid, order, axis=1)
 
 
 def cache_bytes(cache: KVCache) -> int:

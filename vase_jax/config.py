@@ -31,6 +31,12 @@ class Qwen3Config:
         """Query heads per kv head (GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
+    def axis_sizes(self) -> dict[str, int]:
+        """The size of every logical axis of the parameters and the cache that this config fixes."""
+        return {"vocab": self.vocab_size, "embed": self.hidden_size, "mlp": self.intermediate_size,
+                "layers": self.num_layers, "q_heads": self.num_heads, "kv_heads": self.num_kv_heads,
+                "group": self.group, "head_dim": self.head_dim}
+
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Qwen3Config:
         """Build from the dict of a HF `config.json`; raise `ValueError` naming any field we do not support."""
@@ -86,3 +92,32 @@ class Qwen3Config:
     def from_json_file(cls, path: str | os.PathLike) -> Qwen3Config:
         with open(path) as f:
             return cls.from_hf_config(json.load(f))
+
+
+# Logical axis names of every parameter, by parameter path: sharding over a `("data", "model")` mesh is a table
+# from these names to mesh axes (DESIGN.md, "Scaling out"); `param_shapes` reads their sizes off a config.
+PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embedding",): ("vocab", "embed"),
+    ("lm_head",): ("embed", "vocab"),
+    ("norm", "weight"): ("embed",),
+    ("layers", "input_norm"): ("layers", "embed"),
+    ("layers", "q_proj"): ("layers", "embed", "q_heads", "head_dim"),
+    ("layers", "k_proj"): ("layers", "embed", "kv_heads", "head_dim"),
+    ("layers", "v_proj"): ("layers", "embed", "kv_heads", "head_dim"),
+    ("layers", "o_proj"): ("layers", "q_heads", "head_dim", "embed"),
+    ("layers", "q_norm"): ("layers", "head_dim"),
+    ("layers", "k_norm"): ("layers", "head_dim"),
+    ("layers", "post_attn_norm"): ("layers", "embed"),
+    ("layers", "gate_proj"): ("layers", "embed", "mlp"),
+    ("layers", "up_proj"): ("layers", "embed", "mlp"),
+    ("layers", "down_proj"): ("layers", "mlp", "embed"),
+}
+LAYER_PARAMS = tuple(path[1] for path in PARAM_AXES if path[0] == "layers")
+NORM_PARAMS = ("input_norm", "q_norm", "k_norm", "post_attn_norm")  # RMSNorm scales: initialized to 1
+
+
+def param_shapes(cfg: Qwen3Config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Path -> shape of every parameter of a `Qwen3(cfg)` (no `lm_head` when the embeddings are tied)."""
+    sizes = cfg.axis_sizes()
+    return {path: tuple(sizes[a] for a in axes) for path, axes in PARAM_AXES.items()
+            if not (path == ("lm_head",) and cfg.tie_word_embeddings)}

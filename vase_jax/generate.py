@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from vase_jax.attention import decode_attention
-from vase_jax.cache import KVCache, prefill_cache, write_query, write_token
+from vase_jax.cache import KVCache, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
-from vase_jax.model import Qwen3
+from vase_jax.model import LayerWeights, Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, sample
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,10 @@ class GenerateConfig:
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
     return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
+    # How the decode step runs the layers: "scan" (one compiled layer: compile time independent of depth),
+    # "unroll" (per-layer code over weights unstacked once before the loop), "auto" (unroll on CPU, else scan).
+    # The prefill and the eviction always scan. Both give the same tokens.
+    layer_loop: str = "auto"
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -63,6 +67,8 @@ class GenerateConfig:
             raise ValueError(f"GenerateConfig.{e}") from None
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError(f"GenerateConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of ints")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"GenerateConfig.layer_loop={self.layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
         return self
@@ -121,8 +127,6 @@ def _validate_inputs(model, input_ids, attention_mask, config: GenerateConfig, e
             raise ValueError(f"attention_mask: rows {empty.tolist()} are empty prompts (no real token)")
         if not (mask[:, -1] != 0).all():
             raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
-    if eviction.evicts and eviction.method not in METHODS:
-        raise ValueError(f"EvictionConfig.method={eviction.method!r} is not registered")
 
 
 def generate(
@@ -190,9 +194,12 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     sample_key, evict_key = jax.random.split(key)
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 
+    impl = eviction.attention_impl
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction))
+        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl)
         first = sample(logits, jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
+    # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
+    layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
 
     tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
@@ -203,7 +210,7 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
         return (s.step < config.max_new_tokens) & ~jnp.all(s.done)
 
     def step(s: LoopState) -> LoopState:
-        logits, cache = decode_step(model, s.cache, s.last, eviction.attention_impl)
+        logits, cache = decode_step(model, s.cache, s.last, impl, layers)
         token = sample(logits, jax.random.fold_in(sample_key, s.step), config.sampling, row_ids)
         token = jnp.where(s.done, config.pad_id, token)
         tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
@@ -216,8 +223,13 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
         # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
         # body thus holds no conditional, which would make XLA copy the cache at every step.
         def segment(s: LoopState) -> LoopState:
-            s = jax.lax.while_loop(
-                lambda s: running(s) & ~framework.should_evict(s.cache, eviction), step, step(s))
+            # At least one step (the trigger is checked after a step, never right after the prefill or an
+            # eviction), traced once: `first` is true only on entry.
+            def more(c):
+                s, first = c
+                return running(s) & (first | ~framework.should_evict(s.cache, eviction))
+
+            s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
             cache = jax.lax.cond(framework.should_evict(s.cache, eviction),
                                  lambda c: framework.evict(c, eviction, evict_key, row_ids), lambda c: c, s.cache)
             return s.replace(cache=cache)
@@ -233,39 +245,33 @@ def query_window(eviction: EvictionConfig) -> int:
     return eviction.buffer if eviction.evicts and METHODS[eviction.method].needs_queries else 0
 
 
-def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int):
+def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
+            attention_impl: str = "auto"):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
-    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`).
+    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`). The layers
+    run scanned (a prefill reads each weight once, so slicing it out of the stack costs nothing per token).
     """
-    logits, keys, values, queries = model.prefill(input_ids, attention_mask, last_logits_only=True)
-    cache = prefill_cache(model.cfg, keys, values, queries if window else None, attention_mask, capacity, window)
+    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype)
+    logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
+                                  attention_impl=attention_impl, last_logits_only=True)
     return logits[:, -1], cache
 
 
-def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto"):
-    """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache)."""
-    slot = cache.length
-    positions = cache.row_pos[:, None]  # [batch, 1]
-    x = model.embed(token[:, None])  # [batch, 1, embed]
-    ks, vs, ps, qs = list(cache.k), list(cache.v), list(cache.pos), list(cache.queries)
-    for i, layer in enumerate(model.layers):
-        with jax.named_scope(f"layer_{i}"):
-            with jax.named_scope("attention"):
-                q, k, v = layer.attn.project(layer.input_norm(x), positions)  # q [b, kv, group, 1, d]
-                ks[i], vs[i], ps[i] = write_token(ks[i], vs[i], ps[i], k, v, cache.row_pos, slot)
-                if qs:
-                    qs[i] = write_query(qs[i], q, cache.time)
-                out = decode_attention(q[:, :, :, 0], ks[i], vs[i], ps[i], slot + 1, attention_impl)
-                x = x + layer.attn.output(out[:, :, :, None].astype(x.dtype))
-            x = layer.mlp_block(x)
-    logits = model.logits(x)[:, 0]  # [batch, vocab]
-    query_valid = cache.query_valid
-    if qs:
-        query_valid = jax.lax.dynamic_update_slice(
-            query_valid, jnp.ones((query_valid.shape[0], 1), bool), (0, cache.time % cache.window))
-    new_cache = cache.replace(
-        k=tuple(ks), v=tuple(vs), pos=tuple(ps), queries=tuple(qs), query_valid=query_valid,
-        row_pos=cache.row_pos + 1, length=slot + 1, seen=cache.seen + 1, time=cache.time + 1,
-    )
-    return logits, new_cache
+def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto",
+                layers: LayerWeights | None = None):
+    """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache).
+
+    `layers`: `model.layer_weights(...)` computed once outside the loop (default: stacked, scanned).
+    """
+    logits, cache = model.forward(token[:, None], cache.row_pos[:, None], cache, attention_impl=attention_impl,
+                                  layers=layers)
+    return logits[:, 0], cache
+
+
+def resolve_layer_loop(layer_loop: str) -> str:
+    """ "auto" -> "unroll" on CPU (XLA:CPU copies every weight a dot reads through a slice of the stack, so the
+    scanned decode step would copy each layer's weights at every step), "scan" on GPU and TPU."""
+    if layer_loop == "auto":
+        return "unroll" if jax.default_backend() == "cpu" else "scan"
+    return layer_loop

@@ -3,12 +3,19 @@
 Order of operations (HF `modeling_qwen3`): RMSNorm in float32, cast back to the input dtype, then times the weight;
 q_norm / k_norm act per head on head_dim before RoPE; RoPE is rotate-half with angles computed in float32;
 attention scale head_dim ** -0.5 with the softmax in float32; SwiGLU MLP; residual adds in the model dtype.
+Matmuls ask for a float32 result and cast it back (HF's bf16 linear accumulates in float32 too; XLA:CPU runs a
+bf16 x bf16 -> f32 dot natively, whereas a bf16-result dot converts the whole weight to float32 first).
 
-Three entry points share the same layers:
-- `model(input_ids, attention_mask=None)`: a plain forward pass, float32 logits `[batch, seq, vocab]`.
-- `model.prefill(...)`: the forward pass over a left-padded prompt that also returns every layer's keys, values
-  and post-RoPE queries (the generate loop writes them into its cache).
-- `model.decode_step(...)`: one token per row against the KV cache (see `vase_jax.cache`).
+Layer weights are stacked: each kind is one array with a leading `layers` axis (`PARAM_AXES` names every axis).
+One layer function, `decoder_layer`, serves every entry point:
+
+- `model(input_ids, attention_mask=None)`: the plain forward pass, float32 logits `[batch, seq, vocab]`.
+- `model.forward(tokens, positions, cache, ...)`: the same layers with a KV cache (`vase_jax.cache`): a
+  multi-token call fills an empty cache with a prompt (prefill), a one-token call appends to it (decode step).
+  The cache write happens inside attention. Returns (logits, cache).
+
+The layers run either as a `lax.scan` over the stacked weights (one compiled layer, whatever the depth) or
+unrolled over per-layer weights (`unstack_layers`, sliced once outside a decode loop): see `run_layers`.
 """
 
 from __future__ import annotations
@@ -17,42 +24,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vase_jax.config import Qwen3Config
-
-# Logical axis names of every parameter, by parameter name: sharding over a `("data", "model")` mesh is a table
-# from these names to mesh axes (DESIGN.md, "Scaling out").
-LOGICAL_AXES = {
-    "embedding": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "q_proj": ("embed", "q_heads", "head_dim"),
-    "k_proj": ("embed", "kv_heads", "head_dim"),
-    "v_proj": ("embed", "kv_heads", "head_dim"),
-    "o_proj": ("q_heads", "head_dim", "embed"),
-    "gate_proj": ("embed", "mlp"),
-    "up_proj": ("embed", "mlp"),
-    "down_proj": ("mlp", "embed"),
-    "norm": ("embed",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-}
-CACHE_AXES = ("batch", "kv_heads", "slots", "head_dim")
+from vase_jax.attention import decode_attention
+from vase_jax.cache import KVCache, start_prompt, start_token, write_prompt, write_token
+from vase_jax.config import LAYER_PARAMS, NORM_PARAMS, Qwen3Config, param_shapes
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-class RMSNorm(nnx.Module):
-    """y = w * cast(x / sqrt(mean(x^2) + eps)), the mean and rsqrt in float32."""
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] with a float32 result cast to x's dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = w * cast(x / sqrt(mean(x^2) + eps)), the mean and rsqrt in float32."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -70,46 +69,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return x * cos + rotated * sin
 
 
-class Attention(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
-        e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (e, hq, d), dtype)
-        self.k_proj = _param(rngs, (e, hkv, d), dtype)
-        self.v_proj = _param(rngs, (e, hkv, d), dtype)
-        self.o_proj = _param(rngs, (hq, d, e), dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.cfg = cfg
-
-    def project(self, x: jax.Array, positions: jax.Array):
-        """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
-
-        Projections are plain 2-D matmuls against `[embed, heads * head_dim]` views of the weights, so no weight is
-        transposed (copied) inside the decode loop.
-        """
-        cfg = self.cfg
-        b, t, e = x.shape
-
-        def heads(w: jax.Array, n: int) -> jax.Array:  # [batch, seq, embed] @ [embed, n * d] -> [batch, n, seq, d]
-            y = x.reshape(b * t, e) @ w.reshape(e, n * cfg.head_dim)
-            return y.reshape(b, t, n, cfg.head_dim).transpose(0, 2, 1, 3)
-
-        q = heads(self.q_proj[...], cfg.num_heads)  # [batch, q_heads, seq, head_dim]
-        k = heads(self.k_proj[...], cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
-        v = heads(self.v_proj[...], cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
-        q = rope(self.q_norm(q), positions, cfg.rope_theta)
-        k = rope(self.k_norm(k), positions, cfg.rope_theta)
-        q = q.reshape(b, cfg.num_kv_heads, cfg.group, t, cfg.head_dim)  # [batch, kv_heads, group, seq, head_dim]
-        return q, k, v
-
-    def output(self, attn: jax.Array) -> jax.Array:
-        """attn: [batch, kv_heads, group, seq, head_dim] -> [batch, seq, embed]."""
-        b, _, _, t, d = attn.shape
-        hd = self.cfg.num_heads * d
-        attn = attn.reshape(b, self.cfg.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b * t, hd)
-        return (attn @ self.o_proj[...].reshape(hd, -1)).reshape(b, t, -1)  # [batch, seq, embed]
-
-
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention over a short key axis (prefill, plain forward).
 
@@ -124,27 +83,114 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return jnp.einsum("bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v)
 
 
-class MLP(nnx.Module):
+# ---- the layer function ---------------------------------------------------------------------------------------
+def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array):
+    """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
+
+    Projections are plain 2-D matmuls against `[embed, heads * head_dim]` views of the weights, so no weight is
+    transposed (copied) inside the decode loop.
+    """
+    b, t, e = x.shape
+    d = cfg.head_dim
+
+    def heads(name: str, n: int) -> jax.Array:  # [batch, seq, embed] @ [embed, n * d] -> [batch, n, seq, d]
+        y = linear(x.reshape(b * t, e), w[name].reshape(e, n * d))
+        return y.reshape(b, t, n, d).transpose(0, 2, 1, 3)
+
+    q = heads("q_proj", cfg.num_heads)  # [batch, q_heads, seq, head_dim]
+    k = heads("k_proj", cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
+    v = heads("v_proj", cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
+    q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    q = q.reshape(b, cfg.num_kv_heads, cfg.group, t, d)  # [batch, kv_heads, group, seq, head_dim]
+    return q, k, v
+
+
+def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, mask: jax.Array | None,
+              cache: KVCache | None, layer, attention_impl: str):
+    """Self-attention of one layer: x [batch, seq, embed] -> (x + attention output, cache).
+
+    Without a cache, or with a multi-token input (which fills slots [0, seq) of an empty cache), the queries attend
+    densely to the input's own keys under `mask` [batch, seq, seq]. A one-token input is written at slot
+    `cache.length - 1` (`start_token` counted it) and attends over slots [0, length); `layer` indexes the stacked
+    cache.
+    """
+    q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions)
+    b, t = x.shape[:2]
+    if cache is not None and t == 1:
+        cache = write_token(cache, layer, k, v, q)
+        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, cache.length, attention_impl,
+                               layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
+    else:
+        if cache is not None:
+            cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
+        out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
+    hd = cfg.num_heads * cfg.head_dim
+    out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
+    return x + linear(out, w["o_proj"].reshape(hd, -1)).reshape(b, t, -1), cache
+
+
+def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """x + SwiGLU(RMSNorm(x)): [batch, seq, embed]."""
+    h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
+    gate = jax.nn.silu(linear(h, w["gate_proj"]))  # [batch, seq, mlp]
+    return x + linear(gate * linear(h, w["up_proj"]), w["down_proj"])
+
+
+def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
+                  mask: jax.Array | None, cache: KVCache | None, layer, attention_impl: str = "auto"):
+    """One decoder layer with weights `w` (one layer's slice of every stacked weight): (x, cache) -> (x, cache)."""
+    with jax.named_scope("attention"):
+        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl)
+    with jax.named_scope("mlp"):
+        x = mlp(cfg, w, x)
+    return x, cache
+
+
+LayerWeights = dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]
+
+
+def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
+    """carry <- body(carry, w_l, l) for every layer l.
+
+    `layers` stacked (a dict of `[layers, ...]` arrays): a `lax.scan` (one compiled layer; `unroll` layers per
+    iteration). A tuple of per-layer dicts (`unstack_layers`): a Python loop, each layer its own code, indices
+    static. XLA:CPU copies a weight that a dot reads through a slice, dynamic or static, so on CPU the decode loop
+    runs unrolled over weights unstacked once before the loop.
+    """
+    if isinstance(layers, tuple):
+        for i, w in enumerate(layers):
+            with jax.named_scope(f"layer_{i}"):
+                carry = body(carry, w, i)
+        return carry
+    num_layers = next(iter(layers.values())).shape[0]
+
+    def step(c, xs):
+        w, i = xs
+        return body(c, w, i), None
+
+    return jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
+
+
+def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
+    """Stacked layer weights -> one dict per layer (static slices; inside jit, a copy of the weights)."""
+    num_layers = next(iter(layers.values())).shape[0]
+    return tuple({name: x[i] for name, x in layers.items()} for i in range(num_layers))
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+class DecoderLayers(nnx.Module):
+    """Every decoder layer's weights, stacked: `[layers, ...]` arrays named as in `PARAM_AXES`."""
+
     def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
-        self.gate_proj = _param(rngs, (cfg.hidden_size, cfg.intermediate_size), dtype)
-        self.up_proj = _param(rngs, (cfg.hidden_size, cfg.intermediate_size), dtype)
-        self.down_proj = _param(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
+        for path, shape in param_shapes(cfg).items():
+            if path[0] == "layers":
+                name = path[1]
+                value = nnx.Param(jnp.ones(shape, dtype)) if name in NORM_PARAMS else _normal(rngs, shape, dtype)
+                setattr(self, name, value)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.silu(x @ self.gate_proj[...])  # [batch, seq, mlp]
-        return (gate * (x @ self.up_proj[...])) @ self.down_proj[...]  # [batch, seq, embed]
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype, rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
-
-    def mlp_block(self, x: jax.Array) -> jax.Array:
-        with jax.named_scope("mlp"):
-            return x + self.mlp(self.post_attn_norm(x))
+    def weights(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
 
 
 class Qwen3(nnx.Module):
@@ -154,21 +200,36 @@ class Qwen3(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.embedding = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = DecoderLayers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None) -> Qwen3:
         """Load a HF Qwen3 checkpoint folder (safetensors), a hub id, or a folder written by `scripts/convert.py`."""
-        from vase_jax.weights import load_pretrained
+        from vase_jax import weights
 
-        return load_pretrained(path_or_hub_id, dtype=dtype, revision=revision)
+        cfg, params = weights.load_params(path_or_hub_id, dtype=dtype, revision=revision)
+        return cls.from_params(cfg, params, dtype)
+
+    @classmethod
+    def from_params(cls, cfg: Qwen3Config, params: dict[tuple[str, ...], jax.Array], dtype) -> Qwen3:
+        """A model holding `params` ({`PARAM_AXES` path: array}, every parameter of `cfg`), cast to `dtype`."""
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+        flat = []
+        for path, var in nnx.to_flat_state(state):
+            if path not in params:
+                raise ValueError(f"no weight for parameter {'.'.join(map(str, path))}")
+            if tuple(params[path].shape) != tuple(var.shape):
+                raise ValueError(f"parameter {'.'.join(map(str, path))} has shape {tuple(params[path].shape)}, "
+                                 f"expected {tuple(var.shape)}")
+            flat.append((path, var.replace(jnp.asarray(params[path], dtype=dtype))))
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
     # ---- pieces -------------------------------------------------------------------------------------------------
-    def embed(self, input_ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], input_ids, axis=0)  # [batch, seq, embed]
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)  # [batch, seq, embed]
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head; float32 logits [batch, seq, vocab]."""
@@ -178,36 +239,61 @@ class Qwen3(nnx.Module):
                 return jnp.einsum("bte,ve->btv", x, self.embedding[...], preferred_element_type=jnp.float32)
             return jnp.einsum("bte,ev->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    # ---- plain forward and prefill -------------------------------------------------------------------------------
-    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array, last_logits_only: bool = False):
-        """Forward over left-padded prompts; also returns what the cache needs.
+    def layer_weights(self, unstack: bool = False) -> LayerWeights:
+        """The stacked layer weights, or (`unstack`) one dict per layer for an unrolled loop."""
+        stacked = self.layers.weights()
+        return unstack_layers(stacked) if unstack else stacked
 
-        input_ids, attention_mask: [batch, seq]. Each row's RoPE positions count its real tokens (padding gets 0).
-        Returns (logits [batch, seq, vocab] f32, keys, values, queries): per layer, k/v [batch, kv_heads, seq, head_dim]
-        post-RoPE, queries [batch, kv_heads, group, seq, head_dim] post-RoPE. With `last_logits_only` the logits
-        are those of the last position, [batch, 1, vocab] (what generation needs; the LM head is the largest
-        matmul of a prefill).
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        *,
+        attention_mask: jax.Array | None = None,
+        attention_impl: str = "auto",
+        layers: LayerWeights | None = None,
+        last_logits_only: bool = False,
+        unroll: int = 1,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions: [batch, seq] int32 -> (float32 logits [batch, seq, vocab], cache).
+
+        - `cache=None`: causal attention over `tokens` (left padding masked by `attention_mask` [batch, seq]).
+        - a cache and `seq > 1`: the same, and the keys, values (and the query ring) are written into slots
+          [0, seq) of the empty `cache` (`vase_jax.cache.init_cache`); padding slots get `pos = -1`.
+        - a cache and `seq == 1`: one decode step; each token is written at slot `cache.length` and attends over
+          the cache (`attention_impl` picks the decode kernel).
+        `layers`: the layer weights to run (default: this model's, stacked, scanned; `layer_weights(unstack=True)`
+        computed once outside a loop runs them unrolled). `last_logits_only`: logits of the last position only,
+        [batch, 1, vocab] (the LM head is the largest matmul of a prefill).
         """
-        mask = attention_mask.astype(bool)  # [batch, seq]
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)  # [batch, seq]
-        t = input_ids.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        attn_mask = causal[None] & mask[:, None, :]  # [batch, tq, tk]
-        x = self.embed(input_ids)
-        keys, values, queries = [], [], []
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{i}"):
-                with jax.named_scope("attention"):
-                    q, k, v = layer.attn.project(layer.input_norm(x), positions)
-                    x = x + layer.attn.output(dense_attention(q, k, v, attn_mask))
-                x = layer.mlp_block(x)
-            keys.append(k)
-            values.append(v)
-            queries.append(q)
-        return self.logits(x[:, -1:] if last_logits_only else x), keys, values, queries
+        b, t = tokens.shape
+        decoding = cache is not None and t == 1
+        mask = None
+        if not decoding:
+            token_mask = (jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool))
+            mask = jnp.tril(jnp.ones((t, t), bool))[None] & token_mask[:, None, :]  # [batch, tq, tk]
+        layers = self.layer_weights() if layers is None else layers
+        cfg = self.cfg
+
+        def body(carry, w, i):
+            x, c = carry
+            return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl)
+
+        if cache is not None:  # positions and counters first: every layer's `pos` is the same
+            cache = start_token(cache) if decoding else start_prompt(cache, mask[:, -1, :])
+        x, cache = run_layers(body, (self.embed(tokens), cache), layers, unroll)
+        return self.logits(x[:, -1:] if last_logits_only else x), cache
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-        """Plain forward pass (no cache): float32 logits [batch, seq, vocab]."""
+        """Plain forward pass (no cache) over left-padded prompts: float32 logits [batch, seq, vocab]."""
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        return self.prefill(input_ids, attention_mask)[0]
+        return self.forward(input_ids, prompt_positions(attention_mask), attention_mask=attention_mask)[0]
+
+
+def prompt_positions(attention_mask: jax.Array) -> jax.Array:
+    """RoPE positions of left-padded prompts: each row counts its real tokens from 0 (padding gets 0). [batch, seq]"""
+    mask = attention_mask.astype(bool)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)

@@ -1,12 +1,15 @@
 """Hugging Face Qwen3 checkpoints (safetensors, one file or sharded) -> `Qwen3` params, with no torch.
-Also orbax save/restore of converted params (`save_orbax`, and `load_pretrained` on a converted folder).
+Also orbax save/restore of converted params (`save_orbax`, and `load_params` on a converted folder).
 
-Every HF tensor maps to exactly one parameter through `_hf_key_map`, with a shape check; a missing, unexpected or
-misshaped tensor raises `ValueError` naming it.
+Every HF tensor maps to exactly one parameter (or one layer of a stacked one) through `hf_key_map`, with a shape
+check; a missing, unexpected or misshaped tensor raises `ValueError` naming it. The same table exports our
+parameters under HF names (`hf_state_dict`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -18,48 +21,60 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vase_jax.config import Qwen3Config
-from vase_jax.model import Qwen3
+from vase_jax.config import Qwen3Config, param_shapes
 
 ORBAX_MARKER = "vase_jax_orbax.json"  # written by save_orbax next to config.json
+ORBAX_LAYOUT = "stacked-layers-v1"  # layer weights as [layers, ...] arrays
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                    "added_tokens.json", "generation_config.json")
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
 
-def _hf_key_map(cfg: Qwen3Config) -> dict[str, tuple[tuple, Transform, tuple[int, ...]]]:
-    """HF tensor name -> (our param path, transform from the HF array, expected HF shape)."""
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How one HF tensor maps to (a layer of) one of our parameters, in both directions."""
+
+    path: tuple[str, ...]  # our parameter path (`vase_jax.model.PARAM_AXES`)
+    layer: int | None  # index into the leading `layers` axis, or None for an unstacked parameter
+    hf_shape: tuple[int, ...]
+    to_ours: Transform  # HF array -> our layout
+    to_hf: Transform  # our layout -> HF array
+
+
+def hf_key_map(cfg: Qwen3Config) -> dict[str, Entry]:
+    """HF tensor name -> `Entry`: the one table for loading (`read_hf_params`) and exporting (`hf_state_dict`)."""
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, v = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     ident: Transform = lambda w: w  # noqa: E731
     transpose: Transform = lambda w: w.T  # noqa: E731
 
-    def heads_in(n: int) -> Transform:  # [n*d, e] -> [e, n, d]
-        return lambda w: w.T.reshape(e, n, d)
+    def heads_in(n: int) -> tuple[Transform, Transform]:  # HF [n*d, e] <-> ours [e, n, d]
+        return (lambda w: w.T.reshape(e, n, d)), (lambda w: w.reshape(e, n * d).T)
 
+    o_proj = (lambda w: w.T.reshape(hq, d, e)), (lambda w: w.reshape(hq * d, e).T)  # HF [e, hq*d] <-> [hq, d, e]
     table = {
-        "model.embed_tokens.weight": (("embedding",), ident, (v, e)),
-        "model.norm.weight": (("norm", "weight"), ident, (e,)),
+        "model.embed_tokens.weight": Entry(("embedding",), None, (v, e), ident, ident),
+        "model.norm.weight": Entry(("norm", "weight"), None, (e,), ident, ident),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), transpose, (v, e))
+        table["lm_head.weight"] = Entry(("lm_head",), None, (v, e), transpose, transpose)
+    per_layer = {  # HF name within a layer -> (our stacked name, HF shape, to ours, to HF)
+        "input_layernorm.weight": ("input_norm", (e,), ident, ident),
+        "post_attention_layernorm.weight": ("post_attn_norm", (e,), ident, ident),
+        "self_attn.q_proj.weight": ("q_proj", (hq * d, e), *heads_in(hq)),
+        "self_attn.k_proj.weight": ("k_proj", (hkv * d, e), *heads_in(hkv)),
+        "self_attn.v_proj.weight": ("v_proj", (hkv * d, e), *heads_in(hkv)),
+        "self_attn.o_proj.weight": ("o_proj", (e, hq * d), *o_proj),
+        "self_attn.q_norm.weight": ("q_norm", (d,), ident, ident),
+        "self_attn.k_norm.weight": ("k_norm", (d,), ident, ident),
+        "mlp.gate_proj.weight": ("gate_proj", (f, e), transpose, transpose),
+        "mlp.up_proj.weight": ("up_proj", (f, e), transpose, transpose),
+        "mlp.down_proj.weight": ("down_proj", (e, f), transpose, transpose),
+    }
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        table |= {
-            p + "input_layernorm.weight": (("layers", i, "input_norm", "weight"), ident, (e,)),
-            p + "post_attention_layernorm.weight": (("layers", i, "post_attn_norm", "weight"), ident, (e,)),
-            p + "self_attn.q_proj.weight": (("layers", i, "attn", "q_proj"), heads_in(hq), (hq * d, e)),
-            p + "self_attn.k_proj.weight": (("layers", i, "attn", "k_proj"), heads_in(hkv), (hkv * d, e)),
-            p + "self_attn.v_proj.weight": (("layers", i, "attn", "v_proj"), heads_in(hkv), (hkv * d, e)),
-            p + "self_attn.o_proj.weight": (("layers", i, "attn", "o_proj"), lambda w: w.T.reshape(hq, d, e),
-                                            (e, hq * d)),
-            p + "self_attn.q_norm.weight": (("layers", i, "attn", "q_norm", "weight"), ident, (d,)),
-            p + "self_attn.k_norm.weight": (("layers", i, "attn", "k_norm", "weight"), ident, (d,)),
-            p + "mlp.gate_proj.weight": (("layers", i, "mlp", "gate_proj"), transpose, (f, e)),
-            p + "mlp.up_proj.weight": (("layers", i, "mlp", "up_proj"), transpose, (f, e)),
-            p + "mlp.down_proj.weight": (("layers", i, "mlp", "down_proj"), transpose, (e, f)),
-        }
+        for name, (ours, shape, to_ours, to_hf) in per_layer.items():
+            table[f"model.layers.{i}.{name}"] = Entry(("layers", ours), i, shape, to_ours, to_hf)
     return table
 
 
@@ -92,12 +107,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_params(folder: Path, cfg: Qwen3Config) -> dict[tuple, np.ndarray]:
-    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout}."""
+def read_hf_params(folder: Path, cfg: Qwen3Config, dtype=np.float32) -> dict[tuple, np.ndarray]:
+    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout and `dtype`},
+    layer tensors written into their slice of the stacked arrays as they are read."""
     from safetensors import safe_open
 
-    table = _hf_key_map(cfg)
-    params: dict[tuple, np.ndarray] = {}
+    table = hf_key_map(cfg)
+    dtype = np.dtype(dtype)
+    params = {path: np.empty(shape, dtype) for path, shape in param_shapes(cfg).items()}
     seen: dict[str, str] = {}
     for file in _safetensors_files(folder):
         with safe_open(str(file), framework="numpy") as fh:
@@ -109,11 +126,16 @@ def read_hf_params(folder: Path, cfg: Qwen3Config) -> dict[tuple, np.ndarray]:
                     continue  # tied checkpoints may still store the (identical) head
                 if name not in table:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not part of a Qwen3 of this config)")
-                path, transform, shape = table[name]
+                entry = table[name]
                 array = fh.get_tensor(name)
-                if tuple(array.shape) != shape:
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
-                params[path] = transform(array)
+                if tuple(array.shape) != entry.hf_shape:
+                    raise ValueError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, expected {entry.hf_shape}")
+                target = params[entry.path]
+                if entry.layer is None:
+                    target[...] = entry.to_ours(array).astype(dtype)
+                else:
+                    target[entry.layer] = entry.to_ours(array).astype(dtype)
     missing = sorted(set(table) - set(seen))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -121,34 +143,37 @@ def read_hf_params(folder: Path, cfg: Qwen3Config) -> dict[tuple, np.ndarray]:
     return params
 
 
-def _abstract_model(cfg: Qwen3Config, dtype) -> Qwen3:
-    return nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def hf_state_dict(params: dict[tuple, np.ndarray], cfg: Qwen3Config) -> dict[str, np.ndarray]:
+    """Our parameters ({path: array}, e.g. `flat_params(model)`) under HF names and layouts (float32)."""
+    out = {}
+    for name, entry in hf_key_map(cfg).items():
+        array = np.asarray(params[entry.path], np.float32)
+        out[name] = entry.to_hf(array if entry.layer is None else array[entry.layer])
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
-def model_from_params(cfg: Qwen3Config, params: dict[tuple, np.ndarray], dtype) -> Qwen3:
-    graphdef, state = nnx.split(_abstract_model(cfg, dtype))
-    flat = []
-    for path, var in nnx.to_flat_state(state):
-        if path not in params:
-            raise ValueError(f"no weight for parameter {'.'.join(map(str, path))}")
-        flat.append((path, var.replace(jnp.asarray(params[path], dtype=dtype))))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+def flat_params(model) -> dict[tuple, jax.Array]:
+    """{parameter path: array} of a `Qwen3`."""
+    return {path: var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def load_pretrained(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None) -> Qwen3:
+def load_params(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None):
+    """(config, {parameter path: array}) of a HF checkpoint folder, a hub id, or a `scripts/convert.py` folder."""
     folder = resolve_checkpoint(path_or_hub_id, revision)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ValueError(f"{folder}: no config.json")
     cfg = Qwen3Config.from_json_file(config_file)
     if (folder / ORBAX_MARKER).exists():
-        return restore_orbax(folder, cfg, dtype)
-    return model_from_params(cfg, read_hf_params(folder, cfg), dtype)
+        return cfg, restore_orbax(folder, cfg, dtype)
+    return cfg, read_hf_params(folder, cfg, jnp.dtype(dtype))
 
 
 # ---- orbax --------------------------------------------------------------------------------------------------------
-def save_orbax(model: Qwen3, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None) -> Path:
-    """Write `model`'s params with orbax to `out_dir/params`, plus config.json (and tokenizer files from `source`)."""
+def save_orbax(model, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None) -> Path:
+    """Write a `Qwen3`'s params with orbax to `out_dir/params`, plus config.json (and tokenizer files from `source`)."""
     import orbax.checkpoint as ocp
 
     out = Path(out_dir).absolute()
@@ -165,15 +190,24 @@ def save_orbax(model: Qwen3, out_dir: str | os.PathLike, *, source: str | os.Pat
         raise ValueError(f"save_orbax: {out} has no config.json; pass source= the HF folder it came from")
     with open(out / ORBAX_MARKER, "w") as fh:
         json.dump({"format": "orbax StandardCheckpointer of nnx.to_pure_dict(nnx.state(model, nnx.Param))",
-                   "dtype": str(jnp.dtype(model.dtype))}, fh)
+                   "layout": ORBAX_LAYOUT, "dtype": str(jnp.dtype(model.dtype))}, fh)
     return out
 
 
-def restore_orbax(folder: Path, cfg: Qwen3Config, dtype) -> Qwen3:
+def restore_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict[tuple, jax.Array]:
+    """{parameter path: array} restored from a `save_orbax` folder, in `dtype`."""
     import orbax.checkpoint as ocp
 
-    graphdef, state = nnx.split(_abstract_model(cfg, dtype))
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), nnx.to_pure_dict(state))
+    with open(folder / ORBAX_MARKER) as fh:
+        layout = json.load(fh).get("layout")
+    if layout != ORBAX_LAYOUT:
+        raise ValueError(f"{folder}: converted by an older vase-jax (per-layer parameters, layout {layout!r}); "
+                         f"convert the HF checkpoint again with scripts/convert.py (layout {ORBAX_LAYOUT!r})")
+    target: dict = {}
+    for path, shape in param_shapes(cfg).items():
+        node = target
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = jax.ShapeDtypeStruct(shape, dtype)
     restored = ocp.StandardCheckpointer().restore(Path(folder).absolute() / "params", target)
-    nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    return {path: functools.reduce(lambda node, part: node[part], path, restored) for path in param_shapes(cfg)}

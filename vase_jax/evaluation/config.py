@@ -17,15 +17,9 @@ from pathlib import Path
 
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig
+from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
 
-RANDOM_MODELS = {
-    # name -> Qwen3Config fields: the shapes of the test fixtures, with the real vocabulary so the packaged
-    # tokenizer's ids are valid. Weights: see `runner.load_model`.
-    "tiny": dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0),
-}
-RANDOM_HEAD_SCALE = 50.0  # head std 1: logits of std ~8, not ~0.2, peaked like a trained model's
 RANDOM_PREFIX = "random:"
 DTYPES = ("bfloat16", "float32")
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vase_jax.evaluation.config import RANDOM_HEAD_SCALE, RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
+from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
 from vase_jax.evaluation.records import Key, RecordStore
 from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
 
@@ -42,32 +42,16 @@ def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
 
 
 def load_model(model: str, dtype: str):
-    """`Qwen3.from_pretrained(model)`, or for "random:<name>" a random Qwen3 drawn with NumPy (seed 0).
-
-    Random weights: normal with std 0.02, RMSNorm scales 1; the output head's std is scaled by
-    `RANDOM_HEAD_SCALE`, because with std 0.02 the next-token distribution would be nearly uniform over 151936
-    tokens and top-p would sort the whole vocabulary at every step (slow on CPU); a trained model's
-    distribution is peaked, as the scaled one is. NumPy, not jax.random: no compile per parameter shape.
-    """
+    """`Qwen3.from_pretrained(model)`, or for "random:<name>" a random Qwen3 (`vase_jax.random_model`, seed 0,
+    output head scaled by `HEAD_SCALE` so that its next-token distribution is peaked like a trained model's and
+    top-p keeps few tokens)."""
     import vase_jax as vj
 
     if not model.startswith(RANDOM_PREFIX):
         return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype))
-    from flax import nnx
+    from vase_jax.random_model import HEAD_SCALE, random_model
 
-    from vase_jax.weights import model_from_params
-
-    cfg = vj.Qwen3Config(**RANDOM_MODELS[model[len(RANDOM_PREFIX):]])
-    _, abstract = nnx.split(nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-    params = {}
-    for path, var in nnx.to_flat_state(abstract):
-        if path[-1] == "weight":  # RMSNorm scales
-            params[path] = np.ones(var.shape, np.float32)
-        else:
-            std = 0.02 * (RANDOM_HEAD_SCALE if path == ("lm_head",) else 1.0)
-            params[path] = rng.normal(0.0, std, var.shape).astype(np.float32)
-    return model_from_params(cfg, params, getattr(jnp, dtype))
+    return random_model(RANDOM_MODELS[model[len(RANDOM_PREFIX):]], getattr(jnp, dtype), head_scale=HEAD_SCALE)
 
 
 def load_tokenizer(model: str):

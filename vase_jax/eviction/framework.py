@@ -46,11 +46,16 @@ def capacity_for(eviction: EvictionConfig, prompt_slots: int, bucket_slack: int,
     return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+def trigger(seen, length, capacity, eviction: EvictionConfig):
+    """The reference trigger on `seen` real tokens (`n > N and n % B == 0`), plus a guard that fires only if the
+    cache of `capacity` slots, `length` in use, would otherwise overflow (possible only when every row of the
+    caller's input starts with padding, which shifts real tokens right). Python ints or int32 arrays."""
+    return ((seen > eviction.budget) & (seen % eviction.buffer == 0)) | (length >= capacity)
+
+
 def should_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
-    """The reference trigger, plus a guard that fires only if the cache would otherwise overflow (possible only when
-    every row of the caller's input starts with padding, which shifts real tokens right)."""
-    n = cache.seen
-    return ((n > eviction.budget) & (n % eviction.buffer == 0)) | (cache.length >= cache.capacity)
+    """`trigger` on the cache's counters: whether an eviction runs after this step."""
+    return trigger(cache.seen, cache.length, cache.capacity, eviction)
 
 
 def _gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -68,23 +73,30 @@ def _compact(x: jax.Array, kept: jax.Array, length: jax.Array, budget: int, buff
     return jax.lax.dynamic_update_slice_in_dim(x, recent, k, axis=2)
 
 
+def _layer(x: jax.Array, layer) -> jax.Array:
+    """One layer of a stacked cache array: [layers, batch, ...] -> [batch, ...]."""
+    return jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
+
+
 def select_layer(
-    cache: KVCache, layer: int, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array
+    cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array
 ) -> jax.Array:
     """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L))."""
     method = METHODS[eviction.method]
     num_candidates = cache.capacity - eviction.buffer  # static L
     slot = jnp.arange(num_candidates)
-    pos = jnp.where(slot < cache.length - eviction.buffer, cache.pos[layer][:, :, :num_candidates], -1)
+    keys = _layer(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
+    values = _layer(cache.v, layer)
+    pos = jnp.where(slot < cache.length - eviction.buffer, _layer(cache.pos, layer)[:, :, :num_candidates], -1)
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
     else:
         b, h = pos.shape[:2]
-        queries = jnp.zeros((b, h, 1, 0, cache.k[layer].shape[-1]), cache.k[layer].dtype)
+        queries = jnp.zeros((b, h, 1, 0, keys.shape[-1]), keys.dtype)
         query_valid = jnp.zeros((b, 0), bool)
     inputs = EvictionInputs(
-        keys=cache.k[layer][:, :, :num_candidates],
-        values=cache.v[layer][:, :, :num_candidates],
+        keys=keys[:, :, :num_candidates],
+        values=values[:, :, :num_candidates],
         queries=queries,
         query_valid=query_valid,
         pos=pos,
@@ -100,19 +112,26 @@ def select_layer(
 
 
 def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array) -> KVCache:
-    """One eviction event over every layer. `key` is the generate call's eviction key."""
+    """One eviction event over every layer. `key` is the generate call's eviction key.
+
+    A `fori_loop` over layers with the stacked cache in its carry: each iteration reads one layer, selects,
+    compacts it and writes it back in place, so the event holds one layer's candidates and scores at a time.
+    """
     budget, buffer = eviction.budget, eviction.buffer
-    k_new, v_new, pos_new = [], [], []
-    for layer in range(len(cache.k)):
+    stale = jnp.arange(cache.capacity) >= budget  # slots >= N hold nothing after the event
+
+    def one_layer(layer, c: KVCache) -> KVCache:
         layer_key = jax.random.fold_in(key, layer)
-        event_key = jax.random.fold_in(layer_key, cache.evictions)
-        kept = select_layer(cache, layer, eviction, event_key, layer_key, row_ids)
-        pos_l = _compact(cache.pos[layer], kept, cache.length, budget, buffer)
-        pos_l = jnp.where(jnp.arange(cache.capacity) < budget, pos_l, -1)  # slots >= N are stale
-        k_new.append(_compact(cache.k[layer], kept, cache.length, budget, buffer))
-        v_new.append(_compact(cache.v[layer], kept, cache.length, budget, buffer))
-        pos_new.append(pos_l)
-    return cache.replace(
-        k=tuple(k_new), v=tuple(v_new), pos=tuple(pos_new),
-        length=jnp.int32(budget), seen=jnp.int32(budget), evictions=cache.evictions + 1,
-    )
+        event_key = jax.random.fold_in(layer_key, c.evictions)
+        kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids)
+
+        def update(x: jax.Array, fill=None) -> jax.Array:
+            new = _compact(_layer(x, layer), kept, c.length, budget, buffer)
+            if fill is not None:
+                new = jnp.where(stale, fill, new)
+            return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
+
+        return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1))
+
+    cache = jax.lax.fori_loop(0, cache.num_layers, one_layer, cache)
+    return cache.replace(length=jnp.int32(budget), seen=jnp.int32(budget), evictions=cache.evictions + 1)

@@ -1,0 +1,104 @@
+"""The stacked model: one layer function run scanned or unrolled, the stacked cache, eviction layer by layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vase_jax as vj
+from vase_jax import weights
+from vase_jax.cache import CACHE_AXES, cache_shapes
+from vase_jax.config import PARAM_AXES, param_shapes
+from vase_jax.generate import lower_generate
+from vase_jax.random_model import TINY, random_model
+
+N, B = 64, 16
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """The tiny HF checkpoint with peaked next-token distributions (init std 0.1): greedy has no near-ties."""
+    from conftest import save_tiny_checkpoint
+
+    folder, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("peaked_stacked"), seed=11, init_std=0.1)
+    return vj.Qwen3.from_pretrained(str(folder), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv", "vase_attnv", "vase_dkv"])
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_scan_and_unroll_give_identical_tokens(peaked, prompt_batch, method, temperature):
+    ev = vj.EvictionConfig(method, budget=N, buffer=B)
+    outs = {}
+    for loop in ("scan", "unroll"):
+        cfg = vj.GenerateConfig(max_new_tokens=96, temperature=temperature, layer_loop=loop, eos_token_ids=())
+        outs[loop] = vj.generate(peaked, prompt_batch.input_ids, prompt_batch.attention_mask,
+                                 key=jax.random.key(3), config=cfg, eviction=ev)
+    np.testing.assert_array_equal(np.asarray(outs["scan"].tokens), np.asarray(outs["unroll"].tokens))
+    events = int(outs["scan"].evictions)
+    assert events == int(outs["unroll"].evictions)
+    assert events == 0 if method == "full" else events >= 2  # the comparison covers eviction events
+
+
+def test_parameters_and_cache_are_stacked_with_named_axes(peaked):
+    cfg = peaked.cfg
+    flat = weights.flat_params(peaked)
+    assert {p: tuple(x.shape) for p, x in flat.items()} == param_shapes(cfg)
+    for path, axes in PARAM_AXES.items():
+        if path in flat:
+            assert len(axes) == flat[path].ndim
+            if path[0] == "layers":
+                assert axes[0] == "layers" and flat[path].shape[0] == cfg.num_layers
+    out = vj.generate(peaked, np.ones((3, 5), np.int32), np.ones((3, 5), np.int32), key=jax.random.key(0),
+                      config=vj.GenerateConfig(max_new_tokens=4, return_cache=True),
+                      eviction=vj.EvictionConfig("snapkv", budget=N, buffer=B))
+    shapes = cache_shapes(cfg, 3, out.cache.capacity, B)
+    for name, axes in CACHE_AXES.items():
+        assert getattr(out.cache, name).shape == shapes[name] and len(axes) == len(shapes[name])
+    assert out.cache.k.shape[:3] == (cfg.num_layers, 3, cfg.num_kv_heads)
+
+
+def test_hf_export_inverts_loading(tiny_tied):
+    """The one key table maps both ways: our stacked params exported under HF names equal HF's own tensors."""
+    folder, hf = tiny_tied
+    model = vj.Qwen3.from_pretrained(str(folder), dtype=jnp.float32)
+    exported = weights.hf_state_dict(weights.flat_params(model), model.cfg)
+    reference = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    assert set(exported) == set(reference)
+    for name, array in reference.items():
+        np.testing.assert_array_equal(exported[name], array, err_msg=name)
+
+
+def test_eviction_adds_at_most_one_layer_of_temporaries():
+    """`Compiled.memory_analysis()` of generate: an evicting method at the same cache capacity as `full` needs at
+    most about one layer's candidates and scores more (layers are evicted one at a time, in place), not a
+    multiple of the cache. The query ring of attention-scored methods is part of their cache and is counted out."""
+    cfg = dataclasses.replace(TINY, num_layers=6, vocab_size=1024)
+    model = random_model(cfg)
+    ids = jnp.ones((2, 64), jnp.int32)
+
+    def temp_bytes(ev, max_new):
+        lowered = lower_generate(model, ids, ids, key=jax.random.key(0), eviction=ev,
+                                 config=vj.GenerateConfig(max_new_tokens=max_new))
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    capacity = 192  # full: 64 + 128 new tokens; evicting: N + B = 160 -> 192 (rounded to the block)
+    full = temp_bytes(vj.EvictionConfig("full"), 128)
+    itemsize, b, h = 4, 2, cfg.num_kv_heads
+    layer_share = b * h * capacity * (2 * cfg.head_dim * itemsize + 4)  # k, v, pos of one layer
+    cache = cfg.num_layers * layer_share
+    for method in ("snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv"):
+        ev = vj.EvictionConfig(method, budget=128, buffer=32)
+        ring = 0
+        scores = b * h * capacity * 4 * 4  # a few float32 values per candidate
+        if vj.eviction.METHODS[method].needs_queries:
+            window = 32
+            ring = cfg.num_layers * b * h * cfg.group * window * cfg.head_dim * itemsize
+            scores += b * h * cfg.group * window * capacity * 4  # one layer's window attention matrix
+        extra = temp_bytes(ev, 2000) - full - ring
+        print(f"{method}: extra {extra} B, one layer {layer_share} B, scores {scores} B, cache {cache} B")
+        assert extra <= layer_share + scores, method
+        assert extra < cache / 2, method  # all layers' temporaries at once would be a multiple of this
