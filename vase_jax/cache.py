@@ -34,6 +34,34 @@ CACHE_AXES = {
 }
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array viewed as uint16 (free: a bitcast); other dtypes unchanged.
+
+    Slicing and updating go through this view: XLA:CPU has no bfloat16 dynamic-slice or dynamic-update-slice and
+    would convert the whole (stacked) cache to float32 and back around each one, i.e. copy it at every step."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and _is_float(x) else x
+
+
+def from_bits(bits: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_bits` for an array of `dtype`."""
+    return jax.lax.bitcast_convert_type(bits, dtype) if bits.dtype != dtype else bits
+
+
+def _is_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def update_slice(x: jax.Array, update: jax.Array, starts: tuple) -> jax.Array:
+    """`lax.dynamic_update_slice(x, update, starts)` in place, bit for bit, through `as_bits`."""
+    bits = jax.lax.dynamic_update_slice(as_bits(x), as_bits(update.astype(x.dtype)), starts)
+    return from_bits(bits, x.dtype)
+
+
+def layer_of(x: jax.Array, layer) -> jax.Array:
+    """One layer of a stacked cache array, `[layers, ...] -> [...]` (a traced index works), through `as_bits`."""
+    return from_bits(jax.lax.dynamic_index_in_dim(as_bits(x), layer, axis=0, keepdims=False), x.dtype)
+
+
 @struct.dataclass
 class KVCache:
     k: jax.Array  # [layers, batch, kv_heads, capacity, head_dim]
@@ -104,15 +132,15 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     """
     t = k.shape[2]
     new = cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (layer, 0, 0, 0, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (layer, 0, 0, 0, 0)),
+        k=update_slice(cache.k, k[None], (layer, 0, 0, 0, 0)),
+        v=update_slice(cache.v, v[None], (layer, 0, 0, 0, 0)),
     )
     if cache.window:
         t_r = _ring_times(t, cache.window)
         valid = _prompt_ring_valid(token_mask, cache.window)  # [batch, window]
         ring = jnp.take(q, jnp.clip(t_r, 0, t - 1), axis=3)  # [batch, kv_heads, group, window, head_dim]
-        ring = jnp.where(valid[:, None, None, :, None], ring, 0).astype(cache.queries.dtype)
-        new = new.replace(queries=jax.lax.dynamic_update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
+        ring = jnp.where(valid[:, None, None, :, None], ring, 0)
+        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
     return new
 
 
@@ -135,13 +163,12 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     """
     slot = cache.length - 1  # `start_token` counted the token already
     new = cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), (layer, 0, 0, slot, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), (layer, 0, 0, slot, 0)),
+        k=update_slice(cache.k, k[None], (layer, 0, 0, slot, 0)),
+        v=update_slice(cache.v, v[None], (layer, 0, 0, slot, 0)),
     )
     if cache.window:
         ring_slot = (cache.time - 1) % cache.window
-        new = new.replace(queries=jax.lax.dynamic_update_slice(
-            cache.queries, q[None].astype(cache.queries.dtype), (layer, 0, 0, 0, ring_slot, 0)))
+        new = new.replace(queries=update_slice(cache.queries, q[None], (layer, 0, 0, 0, ring_slot, 0)))
     return new
 
 
@@ -163,7 +190,7 @@ def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     """The ring of `layer` rolled so the oldest query comes first: ([b, kv_heads, group, window, d], [b, window])."""
     w = cache.window
     order = (cache.time + jnp.arange(w)) % w  # oldest ring slot first
-    ring = jax.lax.dynamic_index_in_dim(cache.queries, layer, axis=0, keepdims=False)
+    ring = layer_of(cache.queries, layer)
     return jnp.take(ring, order, axis=3), jnp.take(cache.query_valid, order, axis=1)
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
-from vase_jax.cache import KVCache, ordered_queries
+from vase_jax.cache import KVCache, as_bits, from_bits, layer_of, ordered_queries
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 
@@ -73,11 +73,6 @@ def _compact(x: jax.Array, kept: jax.Array, length: jax.Array, budget: int, buff
     return jax.lax.dynamic_update_slice_in_dim(x, recent, k, axis=2)
 
 
-def _layer(x: jax.Array, layer) -> jax.Array:
-    """One layer of a stacked cache array: [layers, batch, ...] -> [batch, ...]."""
-    return jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
-
-
 def select_layer(
     cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array
 ) -> jax.Array:
@@ -85,9 +80,9 @@ def select_layer(
     method = METHODS[eviction.method]
     num_candidates = cache.capacity - eviction.buffer  # static L
     slot = jnp.arange(num_candidates)
-    keys = _layer(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
-    values = _layer(cache.v, layer)
-    pos = jnp.where(slot < cache.length - eviction.buffer, _layer(cache.pos, layer)[:, :, :num_candidates], -1)
+    keys = layer_of(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
+    values = layer_of(cache.v, layer)
+    pos = jnp.where(slot < cache.length - eviction.buffer, layer_of(cache.pos, layer)[:, :, :num_candidates], -1)
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
     else:
@@ -125,11 +120,13 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
         event_key = jax.random.fold_in(layer_key, c.evictions)
         kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids)
 
-        def update(x: jax.Array, fill=None) -> jax.Array:
-            new = _compact(_layer(x, layer), kept, c.length, budget, buffer)
+        def update(x: jax.Array, fill=None) -> jax.Array:  # moves bits only: on the `as_bits` view
+            bits = as_bits(x)
+            new = _compact(jax.lax.dynamic_index_in_dim(bits, layer, axis=0, keepdims=False), kept, c.length,
+                           budget, buffer)
             if fill is not None:
                 new = jnp.where(stale, fill, new)
-            return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
+            return from_bits(jax.lax.dynamic_update_index_in_dim(bits, new, layer, axis=0), x.dtype)
 
         return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1))
 
