@@ -20,10 +20,10 @@ def peaked(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["full", "vase_attnv"])
 def test_pallas_interpret_matches_xla_greedy(peaked, prompt_batch, method):
-    cfg = vj.GenerateConfig(max_new_tokens=48, temperature=0.0, eos_token_ids=())
+    ev = vj.EvictionConfig(method, budget=32, buffer=16, value_slots=8)
     outs = {}
     for impl in ("xla", "pallas"):
-        ev = vj.EvictionConfig(method, budget=32, buffer=16, value_slots=8, attention_impl=impl)
+        cfg = vj.GenerateConfig(max_new_tokens=48, temperature=0.0, eos_token_ids=(), attention_impl=impl)
         outs[impl] = vj.generate(peaked, prompt_batch.input_ids, prompt_batch.attention_mask, key=jax.random.key(0),
                                  config=cfg, eviction=ev)
     if method != "full":
