@@ -93,7 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--batch", type=int, default=4)
     a("--prompt-len", type=int, default=128, help="random prompt tokens per row")
     a("--output-lens", type=_ints, default=[1024], help="comma list: new tokens per row")
-    a("--methods", default="full,vase_attnv,vase_dkv", help="comma list, 'paper' (full + the five) or 'all'")
+    a("--methods", default="full,vase_attnv,vase_dkv",
+      help="comma list (full and vj.eviction.METHODS: snapkv, rkv, rkv_official, curdkv, vase_attnv, vase_dkv, h2o, "
+      "keydiff, ablations), 'paper' (full + the five) or 'all' (full + every policy)")
     a("--budgets", type=_ints, default=[512], help="comma list of budgets N (eviction methods)")
     a("--buffer", type=int, default=64, help="buffer B, the eviction period")
     a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
@@ -127,19 +129,18 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     if names == ["paper"]:
         names = list(PAPER_METHODS)
     elif names == ["all"]:
-        names = ["full"] + sorted(set(METHODS) - {"full"})
-    unknown = [m for m in names if m not in METHODS]
+        names = ["full"] + sorted(METHODS)
+    unknown = [m for m in names if m not in METHODS and m != "full"]
     if unknown or not names:
-        raise ValueError(f"--methods: unknown {unknown or names}; known: {', '.join(sorted(METHODS))}")
+        raise ValueError(f"--methods: unknown {unknown or names}; known: full, {', '.join(sorted(METHODS))}")
     configs = []
     for m in dict.fromkeys(names):
         if m == "full":
-            configs.append(EvictionConfig("full", attention_impl=args.attention_impl).validate())
+            configs.append(EvictionConfig("full").validate())
         elif not args.budgets:
             raise ValueError(f"--budgets is empty but method {m!r} needs a budget")
         else:
-            configs += [EvictionConfig(m, budget=n, buffer=args.buffer, attention_impl=args.attention_impl)
-                        .validate() for n in args.budgets]
+            configs += [EvictionConfig(m, budget=n, buffer=args.buffer).validate() for n in args.budgets]
     args.hf_caches = [c.strip() for c in args.hf_caches.split(",") if c.strip()]
     if args.compare_hf and (not args.hf_caches or set(args.hf_caches) - {"dynamic", "static"}):
         raise ValueError(f"--hf-caches={','.join(args.hf_caches)!r}; allowed: dynamic, static")
@@ -179,14 +180,15 @@ class Bench:
     def batch(self) -> int:
         return self.ids.shape[0]
 
-    def step_ms(self, capacity: int, window: int, length: int) -> vb.Stat:
-        """Per-step milliseconds of `decode_steps` from `length` live slots (memoized)."""
+    def step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> vb.Stat:
+        """Per-step milliseconds of `decode_steps` from `length` live slots (memoized); `state`: the policy's
+        per-slot state arrays (their update is part of the step)."""
         steps = self.args.micro_steps
         length = max(1, min(length, capacity - steps))
-        key = ("step", capacity, window, length)
+        key = ("step", capacity, window, length, state)
         if key not in self.memo:
             cfg, dtype = self.model.cfg, self.model.dtype
-            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed)]
+            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed, state)]
             token = jnp.zeros((self.batch,), jnp.int32)
 
             def call():
@@ -203,11 +205,12 @@ class Bench:
         if key not in self.memo:
             cfg, dtype = self.model.cfg, self.model.dtype
             full = ev.budget + ev.buffer
-            box = [vb.filled_cache(cfg, self.batch, capacity, full, query_window(ev), dtype, self.args.seed)]
+            box = [vb.filled_cache(cfg, self.batch, capacity, full, query_window(ev), dtype, self.args.seed,
+                                   framework.slot_state(ev))]
             rkey, rows = jax.random.key(self.args.seed), jnp.arange(self.batch, dtype=jnp.int32)
 
             def call():
-                box[0] = vb.evict_full(box[0], ev, rkey, rows)
+                box[0] = vb.evict_full(box[0], ev, rkey, rows, self.args.attention_impl)
                 return box[0].length
 
             self.memo[key] = vb.time_runs(call, max(self.args.repeats, 5), 1).map(lambda s: s * 1e3)
@@ -215,7 +218,7 @@ class Bench:
 
     def generate_config(self, n: int) -> vj.GenerateConfig:
         return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
-                                 layer_loop=self.args.layer_loop)
+                                 layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl)
 
     def compile_only(self, ev: EvictionConfig, n: int) -> dict:
         """Compile seconds and memory analysis of generate for one configuration, without running it."""
@@ -262,13 +265,14 @@ class Bench:
 
         total = vb.time_runs(call, args.repeats, args.warmup)
         out = last.pop("out")
-        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window)
+        state = framework.slot_state(ev)
+        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window, args.attention_impl, state)
         prefill = vb.time_runs(lambda: vb.prefill(*inputs), args.repeats, 1)
         cache0 = vb.prefill(*inputs)[1]
         sched = vb.cache_schedule(ev, t, args.prompt_len, capacity, n)
         tok_s = vb.decode_rate(total, prefill, b * (n - 1))
-        step_start = self.step_ms(capacity, window, t)
-        step_end = self.step_ms(capacity, window, int(sched.slots_read[-1]) - 1)
+        step_start = self.step_ms(capacity, window, t, state)
+        step_end = self.step_ms(capacity, window, int(sched.slots_read[-1]) - 1, state)
         evict = self.evict_ms(ev, capacity) if ev.evicts else None
         evict_per_step = evict.median / ev.buffer if evict is not None else 0.0
         decode_s = total.median - prefill.median

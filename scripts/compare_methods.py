@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="hub id or local folder (default: random weights of --config)")
     p.add_argument("--config", default="qwen3-0.6b", help="named config for random weights (qwen3-0.6b, ...)")
     p.add_argument("--layers", type=int, default=4, help="keep only this many layers of the named config")
-    p.add_argument("--methods", default="", help="comma list (default: every registered method but full)")
+    p.add_argument("--methods", default="", help="comma list (default: full and every registered method)")
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--buffer", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
 
-    methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(m for m in METHODS if m != "full")
+    methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(METHODS)
     try:
         configs = [vj.EvictionConfig(m, budget=args.budget, buffer=args.buffer).validate() for m in methods]
     except ValueError as e:
@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                     (Path(vj.__file__).parent / "data" / "tasks" / "math" / "test.jsonl").open())
     ids = np.asarray(tok(text)["input_ids"][: args.budget + args.buffer], np.int32)[None].repeat(args.batch, 0)
     mask = np.ones_like(ids)
-    _, cache = jax.jit(prefill, static_argnums=(3, 4))(model, jnp.asarray(ids), jnp.asarray(mask),
-                                                         ids.shape[1] + 64, args.buffer)  # every method's queries
+    state = tuple(dict.fromkeys(s for c in configs if c.evicts for s in c.policy.state))  # every method's state
+    _, cache = jax.jit(prefill, static_argnums=(3, 4, 5, 6))(model, jnp.asarray(ids), jnp.asarray(mask),
+                                                               ids.shape[1] + 64, args.buffer,  # every method's queries
+                                                               "auto", state)
     row_ids = jnp.arange(args.batch, dtype=jnp.int32)
     key = jax.random.key(0)
     kept_by = {}

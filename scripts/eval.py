@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tests-dir", help="livecodebench: folder of the authors' per-problem test files "
                    "(<global_id>.json, md5-checked); prompts from --data or the packaged test.jsonl")
     p.add_argument("--methods", type=_csv(str), default=("full", "vase_attnv"),
-                   help="comma list of eviction methods; 'full' = no eviction (default: full,vase_attnv)")
+                   help="comma list: 'full' (no eviction) and policies of vj.eviction.METHODS (snapkv, rkv, "
+                   "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, ablations; default: full,vase_attnv)")
     p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
     p.add_argument("--buffer", type=int, default=64, help="eviction buffer / period B (default 64)")
     p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")

@@ -14,7 +14,7 @@ from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, framework
 from vase_jax.generate import decode_step, prefill, query_window
 
-EVICTING = sorted(m for m in METHODS if m != "full")
+EVICTING = sorted(METHODS)
 SINK_METHODS = ("vase_attnv", "curdkv", "vase_dkv")
 N, B = 64, 16
 
@@ -64,13 +64,13 @@ def drive(model, ids, mask, ev, max_new, key):
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     t = ids.shape[1]
     cap = framework.capacity_for(ev, t, 0, max_new)
-    logits, cache = prefill(model, ids, mask, cap, query_window(ev))
+    logits, cache = prefill(model, ids, mask, cap, query_window(ev), "auto", framework.slot_state(ev))
     token = jnp.argmax(logits, -1).astype(jnp.int32)
     tokens, events = [token], []
     _, evict_key = jax.random.split(key)
     row_ids = jnp.arange(ids.shape[0], dtype=jnp.int32)
     for _ in range(max_new - 1):
-        token, cache = _step(model, cache, ev.attention_impl, token)
+        token, cache = _step(model, cache, "auto", token)
         if bool(framework.should_evict(cache, ev)):
             before = cache
             cache = _evict(cache, ev, evict_key, row_ids)
@@ -135,7 +135,8 @@ def test_sinks_kept_forever_over_many_evictions(peaked, tokenizer):
                 assert {0, 1, 2, 3} <= set(pos[r, h].tolist())
 
 
-@pytest.mark.parametrize("method, temperature", [("snapkv", 0.0), ("vase_attnv", 0.8), ("vase_dkv", 0.8)])
+@pytest.mark.parametrize("method, temperature", [("snapkv", 0.0), ("vase_attnv", 0.8), ("vase_dkv", 0.8),
+                                                 ("h2o", 0.8), ("keydiff", 0.0)])
 def test_budget_above_total_length_equals_full(peaked, prompt_batch, method, temperature):
     ids, mask = prompt_batch.input_ids, prompt_batch.attention_mask
     cfg = vj.GenerateConfig(max_new_tokens=40, temperature=temperature, top_p=0.95, eos_token_ids=())

@@ -1,7 +1,8 @@
 """Every registered eviction method: invariants, a float64 NumPy re-implementation of it, randomness.
 
-Inputs are random candidates with invalid slots (a padded prefix, and in one row an invalid suffix with fewer
-valid candidates than K), positions shuffled within each (row, kv head), and two invalid (garbage) queries.
+Inputs are random candidates (and B = 8 buffer slots, and h2o's accumulated attention) with invalid slots (a
+padded prefix, and in one row an invalid suffix with fewer valid candidates than K), positions shuffled within each
+(row, kv head), and two invalid (garbage) queries.
 The NumPy references compute the spec's formulas on the valid block only and order candidates by (tier, score,
 slot); stochastic methods are compared given the same random numbers (position-keyed Gumbel noise, projection
 G), whose distribution is tested in test_eviction_scores.py.
@@ -16,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vase_jax.eviction import METHODS, EvictionConfig, EvictionInputs, scores
+from vase_jax.eviction import METHODS, EvictionConfig, EvictionInputs, framework, scores
 
 B, H, G, W, L, D = 3, 2, 2, 8, 40, 16
+BUF = 8  # buffer slots (the config's B)
 VALID_BLOCKS = ((0, 40), (6, 40), (14, 34))  # per row: valid slots [start, stop); row 2 has 20 < K valid
-EVICTING = sorted(m for m in METHODS if m != "full")
+EVICTING = sorted(METHODS)
 STOCHASTIC = {"attn_sample", "range_sample_attn", "vase_attnv", "attn_random", "vase_dkv", "random", "curdkv"}
 EVENT_KEYED = STOCHASTIC - {"curdkv"}  # curdkv's projection comes from the layer key, fixed across evictions
 SINK_MODES = {"vase_attnv", "curdkv", "vase_dkv"}
@@ -28,7 +30,9 @@ PROTECT_MODES = {"range_attn", "range_sample_attn", "vase_attnv"}
 
 
 def make_config(method, **kw):
-    return EvictionConfig(method=method, budget=32, buffer=8, rkv_window=4, **kw).validate()  # K = 24, Nv = 8
+    if method == "rkv_official":
+        kw = {"rkv_window": 4} | kw
+    return EvictionConfig(method=method, budget=32, buffer=BUF, **kw).validate()  # K = 24, Nv = 8
 
 
 def make_inputs(seed=0):
@@ -46,6 +50,10 @@ def make_inputs(seed=0):
     query_valid = np.ones((B, W), bool)
     query_valid[1, :2] = False
     queries[1, :, :, :2] = 1e4
+    buffer_keys = rng.normal(size=(B, H, BUF, D)) * 1.5
+    buffer_keys[:, :, -2:] = keys[:, :, 6:8] + 0.2 * rng.normal(size=(B, H, 2, D))  # similar to a candidate
+    mass = rng.uniform(0.0, 5.0, size=(B, H, L))  # an accumulated attention (h2o's state)
+    mass = np.where(pos >= 0, mass, 1e6)  # garbage in invalid slots
     return EvictionInputs(
         keys=jnp.asarray(keys, jnp.float32),
         values=jnp.asarray(values, jnp.float32),
@@ -54,6 +62,10 @@ def make_inputs(seed=0):
         pos=jnp.asarray(pos),
         layer_key=jax.random.key(100),
         row_ids=jnp.arange(B, dtype=jnp.int32),
+        buffer_keys=jnp.asarray(buffer_keys, jnp.float32),
+        buffer_values=jnp.asarray(rng.normal(size=(B, H, BUF, D)), jnp.float32),
+        buffer_pos=jnp.broadcast_to(jnp.arange(100, 100 + BUF, dtype=jnp.int32), (B, H, BUF)),
+        state={"attention_mass": jnp.asarray(mass, jnp.float32)},
     )
 
 
@@ -61,7 +73,7 @@ _JIT = {}
 
 
 def select(method, inputs, key, config=None):
-    fn = _JIT.setdefault(method, jax.jit(METHODS[method].select, static_argnums=1))
+    fn = _JIT.setdefault(method, jax.jit(framework.run_policy, static_argnums=1))
     return np.asarray(fn(inputs, config or make_config(method), key))
 
 
@@ -101,16 +113,24 @@ def np_rkv_vase_redundancy(k):
     return np_softmax(c.mean(0))
 
 
-def np_rkv_official(q, qv, k, cfg):
+def np_rkv_official(q, qv, k, window_keys, cfg):
+    """R-KV's score on the cache [k, window_keys]: importance over k, redundancy over both, sliced to k."""
     sel = np.flatnonzero(qv)[-cfg.rkv_window :]
     logits = np.einsum("gtd,nd->gtn", q[:, sel], k).max(0) / math.sqrt(D)
     imp = np_pool(np_softmax(logits).mean(0), cfg.rkv_pool, "max")
-    c = np_unit(k) @ np_unit(k).T
+    every = np.concatenate([k, window_keys])
+    c = np_unit(every) @ np_unit(every).T
     np.fill_diagonal(c, 0.0)
-    last = np.where(c > cfg.rkv_threshold, np.arange(len(k))[None], 0).max(-1)
-    c[np.arange(len(k)), last] = 0.0
-    red = np_softmax(c.mean(0))
+    last = np.where(c > cfg.rkv_threshold, np.arange(len(every))[None], 0).max(-1)
+    c[np.arange(len(every)), last] = 0.0
+    red = np_softmax(c.mean(0))[: len(k)]
     return cfg.rkv_lambda * imp - (1 - cfg.rkv_lambda) * red
+
+
+def np_keydiff(k):
+    """kvpress KeyDiffPress: -cos(k_j, mean_j k_j / ||k_j||)."""
+    anchor = (k / np.linalg.norm(k, axis=-1, keepdims=True)).mean(0)
+    return -(k @ anchor) / (np.linalg.norm(k, axis=-1) * np.linalg.norm(anchor))
 
 
 def np_magnitude(v, kind):
@@ -153,7 +173,7 @@ def np_select(method, cfg, x, r, h, noise, proj):
         out[lo:hi] = f(keys[lo:hi], values[lo:hi])
         return out
 
-    s = on_block(lambda k, v: np_window_score(q, qv, k, cfg.smooth))
+    s = on_block(lambda k, v: np_window_score(q, qv, k, getattr(cfg.options, "smooth", True)))
     sinks = valid & np.isin(pos, np.sort(pos[valid])[: cfg.sink_slots])
 
     def protect_then(m, sample):
@@ -188,7 +208,12 @@ def np_select(method, cfg, x, r, h, noise, proj):
         lam = cfg.rkv_lambda
         return np_top(lam * s - (1 - lam) * red, valid, everything, k_keep)
     if method == "rkv_official":
-        return np_top(on_block(lambda k, v: np_rkv_official(q, qv, k, cfg)), valid, everything, k_keep)
+        window_keys = np.asarray(x.buffer_keys, np.float64)[r, h, -cfg.rkv_window :]
+        return np_top(on_block(lambda k, v: np_rkv_official(q, qv, k, window_keys, cfg)), valid, everything, k_keep)
+    if method == "keydiff":
+        return np_top(on_block(lambda k, v: np_keydiff(k)), valid, everything, k_keep)
+    if method == "h2o":
+        return np_top(np.asarray(x.state["attention_mass"], np.float64)[r, h], valid, everything, k_keep)
     if method in ("curdkv", "vase_dkv"):
         g = proj[r]
 
@@ -210,7 +235,8 @@ def random_numbers(method, cfg, x, key):
     """The method's random numbers: position-keyed Gumbel noise [b, h, L] and projections G [b, D, r]."""
     noise = np.asarray(_NOISE(key, x.row_ids, x.pos), np.float64)
     proj_key = x.layer_key if method == "curdkv" else key
-    return noise, np.asarray(_PROJECTION(proj_key, x.row_ids, D, cfg.projection_rank), np.float64)
+    rank = getattr(cfg.options, "projection_rank", 20)  # only the CUR methods have the option
+    return noise, np.asarray(_PROJECTION(proj_key, x.row_ids, D, rank), np.float64)
 
 
 # ---- tests -------------------------------------------------------------------------------------------------
@@ -292,7 +318,8 @@ def test_padding_invariance(method, inputs):
         return jnp.pad(x, widths, constant_values=fill)
 
     padded = inputs.replace(
-        keys=pad(inputs.keys, 7.0), values=pad(inputs.values, -9.0), pos=pad(inputs.pos, -1)
+        keys=pad(inputs.keys, 7.0), values=pad(inputs.values, -9.0), pos=pad(inputs.pos, -1),
+        state={"attention_mass": pad(inputs.state["attention_mass"], 1e6)},
     )
     base = select(method, inputs, key)
     wide = select(method, padded, key)
@@ -315,17 +342,22 @@ def test_registry_flags():
         "rkv_official",
     }
     assert {m for m, v in METHODS.items() if v.stochastic} == STOCHASTIC
-    assert {"full", "snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv"} <= set(METHODS)
+    assert {m for m, v in METHODS.items() if v.state} == {"h2o"}
+    assert {"snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff"} <= set(METHODS)
 
 
-def test_full_select_raises(inputs):
-    with pytest.raises(ValueError, match="method='full'"):
-        METHODS["full"].select(inputs, EvictionConfig(), jax.random.key(0))
+def test_full_is_not_a_policy():
+    assert "full" not in METHODS
+    assert not EvictionConfig("full").validate().evicts
+    with pytest.raises(ValueError, match="reserved"):
+        vj_register = __import__("vase_jax.eviction", fromlist=["register"]).register
+        vj_register("full")
 
 
 def test_too_few_candidates_raises(inputs):
-    with pytest.raises(ValueError, match="24 kept slots"):
-        short = inputs.replace(
-            keys=inputs.keys[:, :, :20], values=inputs.values[:, :, :20], pos=inputs.pos[:, :, :20]
-        )
-        METHODS["snapkv"].select(short, make_config("snapkv"), jax.random.key(0))
+    """The framework checks the candidate count once, for every method, with the method's name."""
+    short = inputs.replace(keys=inputs.keys[:, :, :20], values=inputs.values[:, :, :20], pos=inputs.pos[:, :, :20],
+                           state={"attention_mass": inputs.state["attention_mass"][:, :, :20]})
+    for method in ("snapkv", "random", "h2o"):
+        with pytest.raises(ValueError, match=f"{method!r}.*24 kept slots"):
+            framework.run_policy(short, make_config(method), jax.random.key(0))

@@ -215,6 +215,7 @@ def test_sampling_follows_the_filtered_distribution():
         (dict(ids=np.zeros((3, 0), np.int32), mask=np.zeros((3, 0), np.int32)), "empty prompt"),
         (dict(mask=np.array([[1, 1, 1], [0, 0, 0], [0, 1, 1]], np.int32)), "empty prompt"),
         (dict(config=vj.GenerateConfig(layer_loop="python")), "layer_loop"),
+        (dict(config=vj.GenerateConfig(attention_impl="triton")), "attention_impl"),
         (dict(eviction=vj.EvictionConfig("nope", budget=128)), "method"),
         (dict(eviction=vj.EvictionConfig("snapkv", budget=100, buffer=64)), "budget"),
         (dict(eviction=vj.EvictionConfig("snapkv", budget=64, buffer=64)), "budget"),

@@ -25,8 +25,8 @@ def peaked(tmp_path_factory):
 
 
 def _generate(model, batch, method: str, impl: str, max_new_tokens: int):
-    cfg = vj.GenerateConfig(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=())
-    ev = vj.EvictionConfig(method, budget=32, buffer=16, value_slots=8, attention_impl=impl)
+    cfg = vj.GenerateConfig(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=(), attention_impl=impl)
+    ev = vj.EvictionConfig(method, budget=32, buffer=16, value_slots=8)
     return vj.generate(model, batch.input_ids, batch.attention_mask, key=jax.random.key(0), config=cfg, eviction=ev)
 
 

@@ -74,7 +74,7 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
     mask = jnp.ones((2, 20), jnp.int32).at[1, :5].set(0)  # row 1 left-padded
     # full-size caches (lowering costs the same whatever the sizes): several kernel blocks, a partial last one
     config = vj.GenerateConfig(max_new_tokens=4096, temperature=0.6, top_p=0.95)
-    eviction = vj.EvictionConfig(method, budget=2048, buffer=64, attention_impl="auto")
+    eviction = vj.EvictionConfig(method, budget=2048, buffer=64)
     texts = {}
     for platform in KERNELS:
         with lowering_target(platform):  # jax >= 0.11 on a CPU host: an abstract GPU for the Triton lowering
@@ -86,7 +86,7 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES), ids=lambda g: GEOMETRY_IDS[g])
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", ["full", *sorted(METHODS)])
 def test_generate_lowers_with_the_platform_kernels(method, geometry, dtype):
     texts = _lowered_texts(_model(geometry, dtype), method)
     for platform, text in texts.items():
@@ -104,7 +104,7 @@ def test_auto_lowers_no_kernel_for_the_host():
     geometry = next(iter(GEOMETRIES))
     model = _model(geometry, "float32")
     ids, mask = jnp.ones((1, 20), jnp.int32), jnp.ones((1, 20), jnp.int32)
-    eviction = vj.EvictionConfig("vase_attnv", budget=256, buffer=64, attention_impl="auto")
+    eviction = vj.EvictionConfig("vase_attnv", budget=256, buffer=64)
     text = lower_generate(model, ids, mask, key=jax.random.key(0), config=vj.GenerateConfig(max_new_tokens=8),
                           eviction=eviction, platforms=("cpu",)).as_text()
     assert "custom_call @__gpu" not in text and "tpu_custom_call" not in text

@@ -233,18 +233,21 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int):
-    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots and the
-    first (greedy) token. Returns (first token [batch], cache)."""
-    logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int, attention_impl: str = "auto",
+            slot_state: tuple = ()):
+    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots (with the
+    policy's per-slot `slot_state`) and the first (greedy) token. Returns (first token [batch], cache)."""
+    logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window,
+                                     attention_impl, slot_state)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 def filled_cache(
-    cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0
+    cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0, state: tuple = ()
 ) -> KVCache:
-    """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1)."""
+    """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1);
+    `state`: the policy's per-slot state arrays (uniform random in [0, 1) on the first `length` slots)."""
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
     shapes = cache_shapes(cfg, batch, capacity, window)
     slot = jnp.arange(capacity, dtype=jnp.int32)
@@ -254,7 +257,10 @@ def filled_cache(
                    queries=jax.random.normal(kq, shapes["queries"], jnp.float32).astype(dtype),
                    query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
                    length=jnp.array(length, jnp.int32), seen=jnp.array(length, jnp.int32),
-                   time=jnp.array(length, jnp.int32), evictions=jnp.array(0, jnp.int32))
+                   time=jnp.array(length, jnp.int32), evictions=jnp.array(0, jnp.int32),
+                   state={s.name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), shapes["pos"]),
+                                            0.0) for i, s in enumerate(state)},
+                   state_specs=tuple(state))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
@@ -274,12 +280,12 @@ def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, atte
     return jax.lax.fori_loop(0, steps, body, (cache, token))
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
-def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids) -> KVCache:
+@functools.partial(jax.jit, static_argnums=(1, 4), donate_argnums=(0,))
+def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention_impl: str = "auto") -> KVCache:
     """One `framework.evict` event on a cache holding `budget + buffer` slots (the state at a trigger). The
     cache is donated and its length restored afterwards, so calls can repeat on the returned cache."""
     full = jnp.int32(eviction.budget + eviction.buffer)
-    out = framework.evict(cache.replace(length=full, seen=full), eviction, key, row_ids)
+    out = framework.evict(cache.replace(length=full, seen=full), eviction, key, row_ids, attention_impl)
     return out.replace(pos=cache.pos, length=full, seen=full)
 
 

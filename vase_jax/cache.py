@@ -5,7 +5,10 @@ capacity, head_dim] (keys post-RoPE, never re-rotated) and `pos` [layers, batch,
 absolute position a slot holds, -1 when empty or padding; after an eviction every (layer, row, kv head) holds its
 own selection). Rows advance in lock-step: `length` slots are in use in every row. Attention-scored eviction
 policies also need `queries`, a ring buffer of the post-RoPE queries of the newest `window` tokens, [layers, batch,
-kv_heads, group, window, head_dim]; the token written at time t sits in ring slot t % window.
+kv_heads, group, window, head_dim]; the token written at time t sits in ring slot t % window. Policies with per-slot
+state (`vase_jax.eviction.SlotState`, e.g. H2O's accumulated attention) add `state`, a dict of float32 arrays
+[layers, batch, kv_heads, capacity] (`STATE_AXES`), updated from the attention weights at the prefill and at every
+decode step (`prefill_state`, `update_state`); `state` is empty, and costs nothing, for every other policy.
 
 Scalars: `length` (slots in use), `seen` (the reference's `cur_len`: real tokens held by the longest row, which
 drives the eviction trigger and is not shifted by padding), `time` (tokens written so far, padding included),
@@ -16,6 +19,8 @@ a loop, whether the layers are scanned or unrolled.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,7 @@ CACHE_AXES = {
     "query_valid": ("batch", "window"),
     "row_pos": ("batch",),
 }
+STATE_AXES = ("layers", "batch", "kv_heads", "slots")  # every per-slot state array
 
 
 def as_bits(x: jax.Array) -> jax.Array:
@@ -74,6 +80,8 @@ class KVCache:
     seen: jax.Array  # int32 scalar
     time: jax.Array  # int32 scalar
     evictions: jax.Array  # int32 scalar
+    state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
+    state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
 
     @property
     def capacity(self) -> int:
@@ -94,10 +102,13 @@ def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> di
     return {name: tuple(sizes[a] for a in axes) for name, axes in CACHE_AXES.items()}
 
 
-def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype) -> KVCache:
-    """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring."""
+def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = ()) -> KVCache:
+    """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring; `state`: the
+    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]."""
     shapes = cache_shapes(cfg, batch, capacity, window)
     return KVCache(
+        state={spec.name: jnp.zeros(shapes["pos"], jnp.float32) for spec in state},
+        state_specs=tuple(state),
         k=jnp.zeros(shapes["k"], dtype),
         v=jnp.zeros(shapes["v"], dtype),
         pos=jnp.full(shapes["pos"], -1, jnp.int32),
@@ -192,6 +203,55 @@ def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     order = (cache.time + jnp.arange(w)) % w  # oldest ring slot first
     ring = layer_of(cache.queries, layer)
     return jnp.take(ring, order, axis=3), jnp.take(cache.query_valid, order, axis=1)
+
+
+def _scaled_weights(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Attention logits in float32, q [b, h, g, ..., d] against k [b, h, slots, d] -> [b, h, g, ..., slots]."""
+    return jnp.einsum("bhg...d,bhkd->bhg...k", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+
+
+def decode_slot_weights(q: jax.Array, k: jax.Array, pos: jax.Array, length: jax.Array) -> jax.Array:
+    """Each slot's decode-attention weight summed over the query group: float32 [batch, kv_heads, capacity].
+
+        w[b, h, j] = sum_g softmax_{j live}(q[b, h, g] . k[b, h, j] / sqrt(D)),   live: pos >= 0 and j < length
+
+    q: [batch, kv_heads, group, head_dim]; k: one layer [batch, kv_heads, capacity, head_dim]; pos [b, h, capacity].
+    The same weights as the decode attention (which returns only its output), recomputed over the whole layer:
+    the cost follows the capacity, paid only by policies with per-slot state.
+    """
+    live = (pos >= 0) & (jnp.arange(k.shape[2]) < length)  # [b, h, capacity]
+    logits = jnp.where(live[:, :, None], _scaled_weights(q, k), -jnp.inf)  # [b, h, g, capacity]
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(live, probs.sum(axis=2), 0.0)
+
+
+def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
+    """After a decode step's write (`write_token`): state <- spec.update(state, w) for every per-slot state array
+    of `layer`, w = `decode_slot_weights` of the query q [batch, kv_heads, group, head_dim]."""
+    k = layer_of(cache.k, layer)
+    pos = layer_of(cache.pos, layer)
+    w = decode_slot_weights(q, k, pos, cache.length)  # [b, h, capacity]
+    return _apply_state(cache, layer, w, 0)
+
+
+def prefill_state(cache: KVCache, layer, probs: jax.Array) -> KVCache:
+    """After a prompt's write: state of slots [0, seq) <- spec.update(0, sum over the group and the queries of
+    `probs`), the prompt's causal attention [batch, kv_heads, group, seq, seq] (padding rows and columns 0)."""
+    return _apply_state(cache, layer, probs.sum(axis=(2, 3)), None)
+
+
+def _apply_state(cache: KVCache, layer, w: jax.Array, start) -> KVCache:
+    """state[layer, :, :, start:start + n] <- update(old or 0, w) with w [b, h, n] (start None: from 0 over zeros)."""
+    new = {}
+    for spec in cache.state_specs:
+        x = cache.state[spec.name]
+        if start is None:
+            old = jnp.zeros(w.shape, jnp.float32)
+        else:
+            old = jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
+        value = spec.update(old, w).astype(jnp.float32)[None]  # [1, b, h, n]
+        new[spec.name] = jax.lax.dynamic_update_slice(x, value, (layer, 0, 0, 0))
+    return cache.replace(state=new)
 
 
 def cache_bytes(cache: KVCache) -> int:

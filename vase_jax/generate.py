@@ -28,6 +28,10 @@ from vase_jax.sampling import SamplingConfig, sample
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 LAYER_LOOPS = ("auto", "scan", "unroll")
+try:  # the kernels' own list of implementations, when it has one
+    from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
+except ImportError:  # pragma: no cover
+    ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,9 @@ class GenerateConfig:
     # "unroll" (per-layer code over weights unstacked once before the loop), "auto" (unroll on CPU, else scan).
     # The prefill and the eviction always scan. Both give the same tokens.
     layer_loop: str = "auto"
+    # The decode-attention kernel, with and without eviction: "auto" (Pallas on GPU, XLA elsewhere), "xla" or
+    # "pallas" (interpret mode off GPU). The eviction scoring kernels follow the same switch.
+    attention_impl: str = "auto"
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -67,6 +74,9 @@ class GenerateConfig:
             raise ValueError(f"GenerateConfig.{e}") from None
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError(f"GenerateConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of ints")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"GenerateConfig.attention_impl={self.attention_impl!r}; allowed: "
+                             f"{', '.join(ATTENTION_IMPLS)}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"GenerateConfig.layer_loop={self.layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
@@ -194,9 +204,10 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     sample_key, evict_key = jax.random.split(key)
     eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
 
-    impl = eviction.attention_impl
+    impl = config.attention_impl
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl)
+        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl,
+                                framework.slot_state(eviction))
         first = sample(logits, jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
     # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
     layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
@@ -231,7 +242,8 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
 
             s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
             cache = jax.lax.cond(framework.should_evict(s.cache, eviction),
-                                 lambda c: framework.evict(c, eviction, evict_key, row_ids), lambda c: c, s.cache)
+                                 lambda c: framework.evict(c, eviction, evict_key, row_ids, impl), lambda c: c,
+                                 s.cache)
             return s.replace(cache=cache)
 
         final = jax.lax.while_loop(running, segment, state0)
@@ -246,13 +258,14 @@ def query_window(eviction: EvictionConfig) -> int:
 
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
-            attention_impl: str = "auto"):
+            attention_impl: str = "auto", state: tuple = ()):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
-    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`). The layers
-    run scanned (a prefill reads each weight once, so slicing it out of the stack costs nothing per token).
+    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
+    policy's per-slot state arrays (`framework.slot_state`). The layers run scanned (a prefill reads each weight
+    once, so slicing it out of the stack costs nothing per token).
     """
-    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype)
+    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
                                   attention_impl=attention_impl, last_logits_only=True)
     return logits[:, -1], cache

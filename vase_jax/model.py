@@ -25,7 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vase_jax.attention import decode_attention
-from vase_jax.cache import KVCache, start_prompt, start_token, write_prompt, write_token
+from vase_jax.cache import (
+    KVCache,
+    prefill_state,
+    start_prompt,
+    start_token,
+    update_state,
+    write_prompt,
+    write_token,
+)
 from vase_jax.config import LAYER_PARAMS, NORM_PARAMS, Qwen3Config, param_shapes
 
 
@@ -69,18 +77,21 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, return_probs: bool = False):
     """Softmax attention over a short key axis (prefill, plain forward).
 
     q: [batch, kv_heads, group, tq, head_dim]; k, v: [batch, kv_heads, tk, head_dim]; mask: [batch, tq, tk] bool.
     Logits and softmax in float32; probabilities cast to v's dtype before the weighted sum (as HF does).
+    `return_probs`: also return the float32 probabilities [batch, kv_heads, group, tq, tk] (0 on masked entries and
+    on fully masked rows).
     """
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)  # [batch, kv_heads, group, tq, tk]
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0)  # fully masked rows (padding) -> 0
-    return jnp.einsum("bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v)
+    return (out, probs) if return_probs else out
 
 
 # ---- the layer function ---------------------------------------------------------------------------------------
@@ -114,6 +125,10 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     densely to the input's own keys under `mask` [batch, seq, seq]. A one-token input is written at slot
     `cache.length - 1` (`start_token` counted it) and attends over slots [0, length); `layer` indexes the stacked
     cache.
+
+    A cache with per-slot state (`cache.state`, declared by the eviction policy) also gets the attention weights
+    of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a cache without
+    state runs exactly the code above.
     """
     q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions)
     b, t = x.shape[:2]
@@ -121,6 +136,12 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         cache = write_token(cache, layer, k, v, q)
         out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, cache.length, attention_impl,
                                layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
+        if cache.state:
+            cache = update_state(cache, layer, q[:, :, :, 0])
+    elif cache is not None and cache.state:
+        cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
+        out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
+        cache = prefill_state(cache, layer, probs)
     else:
         if cache is not None:
             cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])

@@ -170,8 +170,8 @@ def resolve(
     from vase_jax.eviction import METHODS
 
     for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"--methods: {m!r} is not a known method; known: {', '.join(sorted(METHODS))}")
+        if m not in METHODS and m != "full":
+            raise ValueError(f"--methods: {m!r} is not a known method; known: full, {', '.join(sorted(METHODS))}")
     methods = tuple(dict.fromkeys(methods))
     budgets = tuple(dict.fromkeys(budgets)) if budgets else (t.budget,)
     for b in budgets:

@@ -1,10 +1,33 @@
-"""KV-cache eviction: configuration, the method registry, the shared scores and one module per policy family.
+"""KV-cache eviction: configuration, the policy registry, the shared scores and one module per policy family.
 
-Importing this package registers every method in `METHODS` (name -> `Method`).
+Importing this package registers every policy in `METHODS` (name -> `Policy`). `"full"` (no eviction) is not a
+policy: `EvictionConfig("full")` turns the framework off.
 """
 
-from vase_jax.eviction import attention, cur, rkv, scores, uniform  # noqa: F401  (registration on import)
+from vase_jax.eviction import attention, cur, h2o, keydiff, rkv, scores, uniform  # noqa: F401  (registration)
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.eviction.registry import METHODS, EvictionInputs, Method, register
+from vase_jax.eviction.registry import (
+    METHODS,
+    NO_EVICTION,
+    EvictionInputs,
+    Method,
+    NoOptions,
+    Policy,
+    SlotState,
+    accumulate,
+    register,
+)
 
-__all__ = ["METHODS", "EvictionConfig", "EvictionInputs", "Method", "register", "scores"]
+__all__ = [
+    "METHODS",
+    "NO_EVICTION",
+    "EvictionConfig",
+    "EvictionInputs",
+    "Method",
+    "NoOptions",
+    "Policy",
+    "SlotState",
+    "accumulate",
+    "register",
+    "scores",
+]

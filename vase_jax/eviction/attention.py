@@ -17,11 +17,17 @@ then the rest in top-k / draw order.
 | evict_large_range | evict_large_range | keep the K smallest Range(v) |
 
 `range_attn`, `range_sample_attn` and `evict_large_range` always use Range (their reference names say so);
-only `vase_attnv` reads `config.magnitude` (the reference's `l2_sink_sample_attn` / `var_sink_sample_attn`).
+only `vase_attnv` has the option `magnitude` (the reference's `l2_sink_sample_attn` / `var_sink_sample_attn`).
 Sinks are the `sink_slots` valid candidates with the smallest positions (`scores.sink_mask`).
+
+Options (`WindowScoreOptions`): `smooth` (avg-pool 5, True) and `score_temperature` (1.0) of the score s;
+`vase_attnv` adds `magnitude`; `evict_large_range` has none. The scoring kernel follows
+`GenerateConfig.attention_impl` (`inputs.attention_impl`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +37,41 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import EvictionInputs, register
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowScoreOptions:
+    """Options of the VaSE window score s (spec 3.0)."""
+
+    smooth: bool = True  # avg-pool 5 over slot order
+    score_temperature: float = 1.0  # the reference's eviction `temperature` (attention-logit scale)
+
+    def validate(self, config: EvictionConfig) -> None:
+        if self.score_temperature <= 0:
+            raise ValueError(f"EvictionConfig.score_temperature={self.score_temperature} must be > 0 "
+                             f"(method {config.method!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class VaseAttnVOptions(WindowScoreOptions):
+    """`vase_attnv`: the window-score options and the value magnitude of the protected slots."""
+
+    magnitude: str = "range"  # range | l2 | var
+
+    def validate(self, config: EvictionConfig) -> None:
+        super().validate(config)
+        if self.magnitude not in scores.MAGNITUDES:
+            raise ValueError(f"EvictionConfig.magnitude={self.magnitude!r}; allowed: {', '.join(scores.MAGNITUDES)}")
+
+
 def attention_score(inputs: EvictionInputs, config: EvictionConfig) -> jax.Array:
-    """s [b, h, L] for these inputs and config (spec 3.0)."""
+    """s [b, h, L] for these inputs and config (spec 3.0); options `smooth`, `score_temperature`."""
     return scores.window_attention_score(
         inputs.queries,
         inputs.query_valid,
         inputs.keys,
         inputs.valid,
-        temperature=config.score_temperature,
-        smooth=config.smooth,
-        impl=config.attention_impl,
+        temperature=config.options.score_temperature,
+        smooth=config.options.smooth,
+        impl=inputs.attention_impl,
     )
 
 
@@ -49,7 +80,6 @@ def _protect_then_fill(
     config: EvictionConfig,
     key: jax.Array,
     *,
-    method: str,
     magnitude: str,
     sinks: bool,
     sample: bool,
@@ -57,7 +87,6 @@ def _protect_then_fill(
     """Top-Nv magnitude (sinks at +inf if `sinks`), then K - Nv by top-k or sampling of s. [b, h, K]"""
     length = inputs.keys.shape[2]
     kept, nv = config.kept, config.num_value_slots
-    scores.check_candidates(length, kept, method)
     valid = inputs.valid  # [b, h, L]
     m = scores.value_magnitude(inputs.values, magnitude)  # [b, h, L]
     if sinks:
@@ -73,55 +102,46 @@ def _protect_then_fill(
     return jnp.concatenate([protected_ids, rest], axis=-1)
 
 
-@register("snapkv", needs_queries=True, stochastic=False)
+@register("snapkv", options=WindowScoreOptions, needs_queries=True, stochastic=False)
 def snapkv(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """SnapKV as VaSE runs it (mode `attn`): the K candidates with the largest window score s."""
     del key
-    scores.check_candidates(inputs.keys.shape[2], config.kept, "snapkv")
     return scores.masked_top_k(attention_score(inputs, config), inputs.valid, config.kept)
 
 
-@register("attn_sample", needs_queries=True, stochastic=True)
+@register("attn_sample", options=WindowScoreOptions, needs_queries=True, stochastic=True)
 def attn_sample(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Sample K candidates without replacement, proportional to s (mode `attn_sample`)."""
-    scores.check_candidates(inputs.keys.shape[2], config.kept, "attn_sample")
     s = attention_score(inputs, config)
     noise = scores.position_gumbel(key, inputs.row_ids, inputs.pos)
     return scores.gumbel_top_k(s, noise, inputs.valid, config.kept)
 
 
-@register("range_attn", needs_queries=True, stochastic=False)
+@register("range_attn", options=WindowScoreOptions, needs_queries=True, stochastic=False)
 def range_attn(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Top-Nv Range(v) (no sinks), then top-(K - Nv) of s over the other candidates (mode `range_attn`)."""
     del key
-    return _protect_then_fill(
-        inputs, config, None, method="range_attn", magnitude="range", sinks=False, sample=False
-    )
+    return _protect_then_fill(inputs, config, None, magnitude="range", sinks=False, sample=False)
 
 
-@register("range_sample_attn", needs_queries=True, stochastic=True)
+@register("range_sample_attn", options=WindowScoreOptions, needs_queries=True, stochastic=True)
 def range_sample_attn(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Top-Nv Range(v) (no sinks), then sample K - Nv proportional to s (mode `range_sample_attn`)."""
-    return _protect_then_fill(
-        inputs, config, key, method="range_sample_attn", magnitude="range", sinks=False, sample=True
-    )
+    return _protect_then_fill(inputs, config, key, magnitude="range", sinks=False, sample=True)
 
 
-@register("vase_attnv", needs_queries=True, stochastic=True)
+@register("vase_attnv", options=VaseAttnVOptions, needs_queries=True, stochastic=True)
 def vase_attnv(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """VaSE-AttnV (mode `range_sink_sample_attn`, spec 3.4): top-Nv magnitude with the sinks forced to +inf,
     then K - Nv sampled without replacement proportional to s among the others."""
-    return _protect_then_fill(
-        inputs, config, key, method="vase_attnv", magnitude=config.magnitude, sinks=True, sample=True
-    )
+    return _protect_then_fill(inputs, config, key, magnitude=config.options.magnitude, sinks=True, sample=True)
 
 
-@register("attn_random", needs_queries=True, stochastic=True)
+@register("attn_random", options=WindowScoreOptions, needs_queries=True, stochastic=True)
 def attn_random(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Nv uniformly random valid candidates, then top-(K - Nv) of s over the others (mode `attn_random`)."""
     length = inputs.keys.shape[2]
     kept, nv = config.kept, config.num_value_slots
-    scores.check_candidates(length, kept, "attn_random")
     valid = inputs.valid
     noise = scores.position_gumbel(key, inputs.row_ids, inputs.pos)  # [b, h, L]
     random_ids = scores.masked_top_k(noise, valid, nv)  # [b, h, Nv] uniform subset, random order
@@ -134,6 +154,5 @@ def attn_random(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) 
 def evict_large_range(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Keep the K candidates with the smallest Range(v), ascending (`evict_large_range`, "Evict Large")."""
     del key
-    scores.check_candidates(inputs.keys.shape[2], config.kept, "evict_large_range")
     m = scores.value_magnitude(inputs.values, "range")
     return scores.masked_top_k(-m, inputs.valid, config.kept)

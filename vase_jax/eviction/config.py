@@ -1,42 +1,88 @@
-"""`EvictionConfig`: the static, hashable description of a KV-eviction policy.
+"""`EvictionConfig`: the static, hashable description of a KV-eviction run: the framework's sizes and the policy's
+own options.
 
 Vocabulary (spec section 1): `budget` N is the cache size right after an eviction, `buffer` B the recent slots that
 always survive and the eviction period, K = N - B the slots kept from the candidates, `value_slots` Nv the slots
 protected for their large value magnitude (sinks included). The cache peaks at N + B slots.
+
+The policy's parameters live in `options`, a frozen dataclass the policy declares (`register(..., options=...)`).
+They are passed as keyword arguments, `EvictionConfig("rkv", budget=512, rkv_lambda=0.1)`, or as an instance,
+`EvictionConfig("rkv", options=RKVOptions(rkv_lambda=0.1))`, and read as `config.options.rkv_lambda` (or, for
+short, `config.rkv_lambda`). A keyword the method does not declare raises `ValueError` naming the method and its
+options. The decode kernel choice is `GenerateConfig.attention_impl`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
-
-MAGNITUDES = ("range", "l2", "var")
+from vase_jax.eviction.registry import METHODS, NO_EVICTION, owners
 
 
-@dataclasses.dataclass(frozen=True)
+def _policy_options(method: str, options: Any, values: dict[str, Any]) -> Any:
+    """The options instance of `method`: `options` (or the defaults) with `values` replaced."""
+    if "attention_impl" in values:
+        raise ValueError(
+            "EvictionConfig.attention_impl has moved to GenerateConfig.attention_impl (the decode kernel applies "
+            "with and without eviction; the eviction scoring kernels follow it)"
+        )
+    if method == NO_EVICTION:
+        if options is not None or values:
+            given = ", ".join(sorted(values)) or type(options).__name__
+            raise ValueError(f"EvictionConfig: method 'full' (no eviction) has no options; got {given}")
+        return None
+    policy = METHODS.get(method)
+    if policy is None:
+        if options is not None or values:
+            raise ValueError(f"EvictionConfig.method={method!r} is not a known method; known: "
+                             f"{', '.join(sorted([NO_EVICTION, *METHODS]))}")
+        return None  # `validate` names the unknown method
+    if options is None:
+        options = policy.options()
+    elif not isinstance(options, policy.options):
+        raise ValueError(f"EvictionConfig(method={method!r}): options must be a {policy.options.__name__}, "
+                         f"got {type(options).__name__}")
+    unknown = sorted(set(values) - set(policy.option_names))
+    if unknown:
+        where = "; ".join(f"{o!r} belongs to {', '.join(owners(o))}" for o in unknown if owners(o))
+        mine = ", ".join(policy.option_names) or "none"
+        raise ValueError(f"EvictionConfig: method {method!r} has no option {', '.join(map(repr, unknown))}"
+                         f"{' (' + where + ')' if where else ''}; options of {method!r}: {mine}")
+    return dataclasses.replace(options, **values) if values else options
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class EvictionConfig:
-    """Which eviction policy runs during decoding, and with what sizes.
+    """Which eviction policy runs during decoding, with the framework's sizes and the policy's options.
 
-    `method="full"` keeps every token (no eviction; `budget` is ignored). For every other method the cache holds
-    at most `budget + buffer` slots whatever the output length.
+    `method="full"` keeps every token (no eviction; `budget` is ignored). For every other method (a key of
+    `vj.eviction.METHODS`) the cache holds at most `budget + buffer` slots whatever the output length.
     """
 
-    method: str = "full"
+    method: str = NO_EVICTION
     budget: int = 4096
     buffer: int = 64
     value_slots: int | None = None  # None -> budget // 4 (the paper's Nv = N / 4)
     sink_slots: int = 4
-    rkv_lambda: float = 0.5
-    smooth: bool = True
-    projection_rank: int = 20
-    magnitude: str = "range"
     sort_kept_by_position: bool = False
-    attention_impl: str = "auto"
-    score_temperature: float = 1.0  # the reference's eviction `temperature` (attention-logit scale), 1.0 everywhere
-    rkv_window: int = 8  # rkv_official: queries in the observation window (alpha)
-    rkv_pool: int = 7  # rkv_official: max-pool kernel
-    rkv_threshold: float = 0.5  # rkv_official: similarity threshold of the "retain last" rule
+    options: Any = None  # the policy's options dataclass; None for "full"
+
+    def __init__(self, method: str = NO_EVICTION, budget: int = 4096, buffer: int = 64,
+                 value_slots: int | None = None, sink_slots: int = 4, sort_kept_by_position: bool = False,
+                 options: Any = None, **option_values: Any):
+        for name, value in (("method", method), ("budget", budget), ("buffer", buffer),
+                            ("value_slots", value_slots), ("sink_slots", sink_slots),
+                            ("sort_kept_by_position", sort_kept_by_position)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "options", _policy_options(method, options, option_values))
+
+    def __getattr__(self, name: str) -> Any:
+        """Options read as attributes: `config.rkv_lambda` is `config.options.rkv_lambda`."""
+        options = self.__dict__.get("options")
+        if not name.startswith("_") and options is not None and name in {f.name for f in dataclasses.fields(options)}:
+            return getattr(options, name)
+        raise AttributeError(f"EvictionConfig(method={self.__dict__.get('method')!r}) has no attribute {name!r}")
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -51,22 +97,20 @@ class EvictionConfig:
 
     @property
     def evicts(self) -> bool:
-        return self.method != "full"
+        return self.method != NO_EVICTION
+
+    @property
+    def policy(self):
+        """The registered `Policy` of `method` (KeyError for "full")."""
+        return METHODS[self.method]
 
     def validate(self) -> EvictionConfig:
         """Raise `ValueError` naming the parameter if this configuration cannot run. Returns self."""
-        from vase_jax.eviction.registry import METHODS  # late import: methods register themselves on import
-
-        if self.method not in METHODS:
-            raise ValueError(
-                f"EvictionConfig.method={self.method!r} is not a known method; known: {', '.join(sorted(METHODS))}"
-            )
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"EvictionConfig.attention_impl={self.attention_impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}"
-            )
         if not self.evicts:
             return self
+        if self.method not in METHODS:
+            raise ValueError(f"EvictionConfig.method={self.method!r} is not a known method; known: "
+                             f"{', '.join(sorted([NO_EVICTION, *METHODS]))}")
         if self.buffer < 1:
             raise ValueError(f"EvictionConfig.buffer={self.buffer} must be >= 1")
         if self.budget <= self.buffer:
@@ -85,16 +129,7 @@ class EvictionConfig:
                 f"EvictionConfig.value_slots={nv} with sink_slots={self.sink_slots} must satisfy "
                 f"0 <= value_slots and value_slots + sink_slots <= budget - buffer = {self.kept}"
             )
-        if self.magnitude not in MAGNITUDES:
-            raise ValueError(f"EvictionConfig.magnitude={self.magnitude!r}; allowed: {', '.join(MAGNITUDES)}")
-        if not 0.0 <= self.rkv_lambda <= 1.0:
-            raise ValueError(f"EvictionConfig.rkv_lambda={self.rkv_lambda} must lie in [0, 1]")
-        if self.projection_rank < 1:
-            raise ValueError(f"EvictionConfig.projection_rank={self.projection_rank} must be >= 1")
-        if self.score_temperature <= 0:
-            raise ValueError(f"EvictionConfig.score_temperature={self.score_temperature} must be > 0")
-        if not 1 <= self.rkv_window <= self.buffer:
-            raise ValueError(f"EvictionConfig.rkv_window={self.rkv_window} must lie in [1, buffer={self.buffer}]")
-        if self.rkv_pool < 1 or self.rkv_pool % 2 == 0:
-            raise ValueError(f"EvictionConfig.rkv_pool={self.rkv_pool} must be a positive odd number")
+        check = getattr(self.options, "validate", None)
+        if check is not None:
+            check(self)
         return self

@@ -9,6 +9,10 @@ After each decode step, with `n` the real tokens held by the longest row (the re
         slots [K, N)  <- the newest B slots
         length = n = N
 
+A policy sees its layer's candidates, the newest B slots (`buffer_keys`, `buffer_values`, `buffer_pos`), the query
+ring (if it declares `needs_queries`) and its per-slot state (`inputs.state`, if it declares any); `run_policy`
+checks the shared preconditions once. Per-slot state arrays move with their slots like `k`, `v` and `pos`.
+
 Padding: our cache holds left padding (the reference's does not). Padding slots have `pos = -1`, are invalid
 candidates, and are never kept while a valid candidate is left out, so the first eviction drops them; the trigger
 counts real tokens, so padding does not shift the schedule. Rows of a batch evict on the longest row's schedule.
@@ -21,8 +25,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import KVCache, as_bits, from_bits, layer_of, ordered_queries
+from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.eviction.registry import METHODS, EvictionInputs
+from vase_jax.eviction.registry import METHODS, EvictionInputs, SlotState
 
 CAPACITY_ALIGN = DEFAULT_BLOCK_SIZE
 
@@ -73,16 +78,44 @@ def _compact(x: jax.Array, kept: jax.Array, length: jax.Array, budget: int, buff
     return jax.lax.dynamic_update_slice_in_dim(x, recent, k, axis=2)
 
 
+def slot_state(eviction: EvictionConfig) -> tuple[SlotState, ...]:
+    """The per-slot state arrays the cache keeps for this configuration (none for "full")."""
+    return METHODS[eviction.method].state if eviction.evicts else ()
+
+
+def check_policy_inputs(num_candidates: int, eviction: EvictionConfig) -> None:
+    """The shared, static preconditions of every policy (ValueError naming the method)."""
+    scores.check_candidates(num_candidates, eviction.kept, eviction.method)
+
+
+def run_policy(inputs: EvictionInputs, eviction: EvictionConfig, key: jax.Array) -> jax.Array:
+    """The shared checks, the policy's selection and the optional sort by position: kept [batch, kv_heads, K]."""
+    check_policy_inputs(inputs.keys.shape[2], eviction)
+    kept = METHODS[eviction.method].select(inputs, eviction, key).astype(jnp.int32)  # [batch, kv_heads, K]
+    if eviction.sort_kept_by_position:  # the reference's initial commit; invalid slots go last
+        kept_pos = jnp.take_along_axis(inputs.pos, kept, axis=2)
+        order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
+        kept = jnp.take_along_axis(kept, order, axis=2)
+    return kept
+
+
 def select_layer(
-    cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array
+    cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array,
+    attention_impl: str = "auto",
 ) -> jax.Array:
     """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L))."""
     method = METHODS[eviction.method]
-    num_candidates = cache.capacity - eviction.buffer  # static L
+    buffer = eviction.buffer
+    num_candidates = cache.capacity - buffer  # static L
     slot = jnp.arange(num_candidates)
     keys = layer_of(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
     values = layer_of(cache.v, layer)
-    pos = jnp.where(slot < cache.length - eviction.buffer, layer_of(cache.pos, layer)[:, :, :num_candidates], -1)
+    layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
+    pos = jnp.where(slot < cache.length - buffer, layer_pos[:, :, :num_candidates], -1)
+
+    def newest(x: jax.Array) -> jax.Array:  # slots [length - B, length), through the `as_bits` view
+        return from_bits(jax.lax.dynamic_slice_in_dim(as_bits(x), cache.length - buffer, buffer, axis=2), x.dtype)
+
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
     else:
@@ -97,17 +130,19 @@ def select_layer(
         pos=pos,
         layer_key=layer_key,
         row_ids=row_ids,
+        buffer_keys=newest(keys),
+        buffer_values=newest(values),
+        buffer_pos=newest(layer_pos),
+        state={s.name: layer_of(cache.state[s.name], layer)[:, :, :num_candidates] for s in method.state},
+        attention_impl=attention_impl,
     )
-    kept = method.select(inputs, eviction, key).astype(jnp.int32)  # [batch, kv_heads, K]
-    if eviction.sort_kept_by_position:  # the reference's initial commit; invalid slots go last
-        kept_pos = jnp.take_along_axis(pos, kept, axis=2)
-        order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
-        kept = jnp.take_along_axis(kept, order, axis=2)
-    return kept
+    return run_policy(inputs, eviction, key)
 
 
-def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array) -> KVCache:
-    """One eviction event over every layer. `key` is the generate call's eviction key.
+def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
+          attention_impl: str = "auto") -> KVCache:
+    """One eviction event over every layer. `key` is the generate call's eviction key; `attention_impl` picks the
+    scoring kernels (`GenerateConfig.attention_impl`).
 
     A `fori_loop` over layers with the stacked cache in its carry: each iteration reads one layer, selects,
     compacts it and writes it back in place, so the event holds one layer's candidates and scores at a time.
@@ -118,7 +153,7 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
     def one_layer(layer, c: KVCache) -> KVCache:
         layer_key = jax.random.fold_in(key, layer)
         event_key = jax.random.fold_in(layer_key, c.evictions)
-        kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids)
+        kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids, attention_impl)
 
         def update(x: jax.Array, fill=None) -> jax.Array:  # moves bits only: on the `as_bits` view
             bits = as_bits(x)
@@ -128,7 +163,8 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
                 new = jnp.where(stale, fill, new)
             return from_bits(jax.lax.dynamic_update_index_in_dim(bits, new, layer, axis=0), x.dtype)
 
-        return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1))
+        state = {name: update(x, 0.0) for name, x in c.state.items()}
+        return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
 
     cache = jax.lax.fori_loop(0, cache.num_layers, one_layer, cache)
     return cache.replace(length=jnp.int32(budget), seen=jnp.int32(budget), evictions=cache.evictions + 1)
