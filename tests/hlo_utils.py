@@ -8,7 +8,6 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
-_ROOT_CONVERT = re.compile(r"ROOT %?[\w.\-]+ = (\w+)\[([\d,]*)\]\{[^}]*\} convert\(")
 _SLICE = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:dynamic-slice|slice)\(")
 
 
@@ -62,12 +61,6 @@ def per_step_slices(hlo: str, shape_filter, follow_branches: bool = False) -> li
     """Like `per_step_copies`, for `slice` and `dynamic-slice` instructions: XLA:CPU materializes a slice that a dot
     reads, so a weight-sized slice in the decode loop is a per-step copy of (part of) a weight."""
     return _per_step(hlo, _SLICE, shape_filter, follow_branches)
-
-
-def per_step_root_converts(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
-    """Like `per_step_copies`, for fusions whose result is a dtype conversion: a cache-sized one rewrites the whole
-    cache at every step (XLA:CPU updates a bfloat16 array by converting it to float32 and back)."""
-    return _per_step(hlo, _ROOT_CONVERT, shape_filter, follow_branches)
 
 
 def dims_of(line: str) -> tuple[int, ...]:

@@ -41,10 +41,9 @@ STATE_AXES = ("layers", "batch", "kv_heads", "slots")  # every per-slot state ar
 
 
 def as_bits(x: jax.Array) -> jax.Array:
-    """A 16-bit float array viewed as uint16 (free: a bitcast); other dtypes unchanged.
-
-    Slicing and updating go through this view: XLA:CPU has no bfloat16 dynamic-slice or dynamic-update-slice and
-    would convert the whole (stacked) cache to float32 and back around each one, i.e. copy it at every step."""
+    """A 16-bit float array viewed as uint16; other dtypes unchanged. Gathering rows or slicing a read-only array
+    (the embedding table, stacked weights) through this view keeps XLA:CPU from converting all of a bf16 array to
+    float32 first (it has no bf16 gather or slice)."""
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and _is_float(x) else x
 
 
@@ -58,14 +57,14 @@ def _is_float(x: jax.Array) -> bool:
 
 
 def update_slice(x: jax.Array, update: jax.Array, starts: tuple) -> jax.Array:
-    """`lax.dynamic_update_slice(x, update, starts)` in place, bit for bit, through `as_bits`."""
-    bits = jax.lax.dynamic_update_slice(as_bits(x), as_bits(update.astype(x.dtype)), starts)
-    return from_bits(bits, x.dtype)
+    """`lax.dynamic_update_slice(x, update, starts)`, in place. (XLA:CPU rewrites all of a bf16 array at such an
+    update; a uint16 view did not help: the view itself is then materialized. docs/BENCHMARKS.md, bf16.)"""
+    return jax.lax.dynamic_update_slice(x, update.astype(x.dtype), starts)
 
 
 def layer_of(x: jax.Array, layer) -> jax.Array:
-    """One layer of a stacked cache array, `[layers, ...] -> [...]` (a traced index works), through `as_bits`."""
-    return from_bits(jax.lax.dynamic_index_in_dim(as_bits(x), layer, axis=0, keepdims=False), x.dtype)
+    """One layer of a stacked cache array, `[layers, ...] -> [...]` (a traced index works)."""
+    return jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
 
 
 @struct.dataclass

@@ -27,6 +27,8 @@ from flax import nnx
 from vase_jax.attention import decode_attention
 from vase_jax.cache import (
     KVCache,
+    as_bits,
+    from_bits,
     prefill_state,
     start_prompt,
     start_token,
@@ -42,7 +44,8 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] with a float32 result cast to x's dtype."""
+    """x [n, in] @ w [in, out] with a float32 result cast to x's dtype. Callers flatten to 2-D: inside a loop,
+    XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -152,10 +155,11 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
 
 
 def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """x + SwiGLU(RMSNorm(x)): [batch, seq, embed]."""
-    h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-    gate = jax.nn.silu(linear(h, w["gate_proj"]))  # [batch, seq, mlp]
-    return x + linear(gate * linear(h, w["up_proj"]), w["down_proj"])
+    """x + SwiGLU(RMSNorm(x)): [batch, seq, embed], as 2-D matmuls over [batch * seq, embed]."""
+    b, t, e = x.shape
+    h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps).reshape(b * t, e)
+    gate = jax.nn.silu(linear(h, w["gate_proj"]))  # [batch * seq, mlp]
+    return x + linear(gate * linear(h, w["up_proj"]), w["down_proj"]).reshape(b, t, e)
 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
@@ -194,9 +198,10 @@ def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
 
 
 def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """Stacked layer weights -> one dict per layer (static slices; inside jit, a copy of the weights)."""
+    """Stacked layer weights -> one dict per layer (static slices, on the `as_bits` view so that XLA:CPU does not
+    convert bf16 stacks to float32 to slice them; inside jit, one copy of the weights)."""
     num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: x[i] for name, x in layers.items()} for i in range(num_layers))
+    return tuple({name: from_bits(as_bits(x)[i], x.dtype) for name, x in layers.items()} for i in range(num_layers))
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
@@ -250,15 +255,21 @@ class Qwen3(nnx.Module):
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0)  # [batch, seq, embed]
+        """Rows of the embedding table, gathered on its `as_bits` view (XLA:CPU would convert a whole bf16 table
+        to float32 to gather from it): [batch, seq, embed]."""
+        table = self.embedding[...]
+        return from_bits(jnp.take(as_bits(table), tokens, axis=0), table.dtype)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head; float32 logits [batch, seq, vocab]."""
         with jax.named_scope("lm_head"):
-            x = self.norm(x)
+            b, t, e = x.shape
+            x = self.norm(x).reshape(b * t, e)  # a 2-D matmul: XLA:CPU runs "bte,ve->btv" inside a loop 3x slower
             if self.lm_head is None:
-                return jnp.einsum("bte,ve->btv", x, self.embedding[...], preferred_element_type=jnp.float32)
-            return jnp.einsum("bte,ev->btv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+                logits = jnp.einsum("ne,ve->nv", x, self.embedding[...], preferred_element_type=jnp.float32)
+            else:
+                logits = jnp.einsum("ne,ev->nv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+            return logits.reshape(b, t, -1)  # [batch, seq, vocab]
 
     def layer_weights(self, unstack: bool = False) -> LayerWeights:
         """The stacked layer weights, or (`unstack`) one dict per layer for an unrolled loop."""

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
-from vase_jax.cache import KVCache, as_bits, from_bits, layer_of, ordered_queries
+from vase_jax.cache import KVCache, layer_of, ordered_queries
 from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs, SlotState
@@ -113,8 +113,8 @@ def select_layer(
     layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
     pos = jnp.where(slot < cache.length - buffer, layer_pos[:, :, :num_candidates], -1)
 
-    def newest(x: jax.Array) -> jax.Array:  # slots [length - B, length), through the `as_bits` view
-        return from_bits(jax.lax.dynamic_slice_in_dim(as_bits(x), cache.length - buffer, buffer, axis=2), x.dtype)
+    def newest(x: jax.Array) -> jax.Array:  # slots [length - B, length)
+        return jax.lax.dynamic_slice_in_dim(x, cache.length - buffer, buffer, axis=2)
 
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
@@ -155,13 +155,11 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
         event_key = jax.random.fold_in(layer_key, c.evictions)
         kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids, attention_impl)
 
-        def update(x: jax.Array, fill=None) -> jax.Array:  # moves bits only: on the `as_bits` view
-            bits = as_bits(x)
-            new = _compact(jax.lax.dynamic_index_in_dim(bits, layer, axis=0, keepdims=False), kept, c.length,
-                           budget, buffer)
+        def update(x: jax.Array, fill=None) -> jax.Array:
+            new = _compact(layer_of(x, layer), kept, c.length, budget, buffer)
             if fill is not None:
                 new = jnp.where(stale, fill, new)
-            return from_bits(jax.lax.dynamic_update_index_in_dim(bits, new, layer, axis=0), x.dtype)
+            return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
 
         state = {name: update(x, 0.0) for name, x in c.state.items()}
         return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
