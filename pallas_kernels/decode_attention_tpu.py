@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.decode_attention import _check_args as check_decode_args
 from pallas_kernels.tpu_common import LANES, dot_precision, lanes_to, sublane_multiple
 
 DEFAULT_BLOCK_SIZE_TPU = 1024  # 2 x 256 KiB of bf16 K and V per grid step: amortizes the ~0.35 us cost of a step
@@ -51,21 +52,8 @@ _NEG = -1e30  # finite start for running maxima: exp(m_old - m_new) never sees i
 
 
 def _check_args(q, k, v, pos, length, block_size: int) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q has shape {q.shape}; expected [batch, kv_heads, group, head_dim]")
-    batch, kv_heads, _, head_dim = q.shape
-    if k.ndim != 4 or k.shape[:2] != (batch, kv_heads) or k.shape[3] != head_dim:
-        raise ValueError(f"k has shape {k.shape}; expected [{batch}, {kv_heads}, capacity, {head_dim}] to match q")
-    if v.shape != k.shape:
-        raise ValueError(f"v has shape {v.shape}; expected the shape of k, {k.shape}")
-    if pos.shape != k.shape[:3]:
-        raise ValueError(f"pos has shape {pos.shape}; expected [batch, kv_heads, capacity] = {k.shape[:3]}")
-    if not jnp.issubdtype(pos.dtype, jnp.integer):
-        raise ValueError(f"pos has dtype {pos.dtype}; expected an integer dtype (int32)")
-    if jnp.ndim(length) != 0:
-        raise ValueError(f"length has shape {jnp.shape(length)}; expected a scalar")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype")
+    """The decode kernels' shape and dtype checks, plus the TPU kernel's block size (a multiple of the lanes)."""
+    check_decode_args(q, k, v, pos, length, 1, None)
     if block_size < LANES or block_size % LANES:
         raise ValueError(f"block_size={block_size} must be a multiple of {LANES} for the TPU kernel")
 

@@ -35,15 +35,15 @@ def _callees(lines: list[str], follow_branches: bool) -> set[str]:
     return out
 
 
-def _reachable(comps: dict[str, list[str]], roots: set[str]) -> set[str]:
-    """Every computation reachable from `roots` (branches followed)."""
+def _reachable(comps: dict[str, list[str]], roots: set[str], follow_branches: bool = True) -> set[str]:
+    """Every computation reachable from `roots` (through conditionals too, with `follow_branches`)."""
     seen, stack = set(), list(roots)
     while stack:
         name = stack.pop()
         if name in seen or name not in comps:
             continue
         seen.add(name)
-        stack.extend(_callees(comps[name], follow_branches=True))
+        stack.extend(_callees(comps[name], follow_branches))
     return seen
 
 
@@ -79,13 +79,7 @@ def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool
         branches |= {m for lines in comps.values() for line in lines if " conditional(" in line
                      for m in re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)}
         bodies -= _reachable(comps, branches)
-    seen, stack = set(), list(bodies)
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        stack.extend(_callees(comps[name], follow_branches))
+    seen = _reachable(comps, bodies, follow_branches)
     found = []
     for name in seen:
         for line in comps[name]:
