@@ -49,7 +49,10 @@ _MIN_ROWS = 16  # Triton's tensor-core dot wants M, N, K >= 16: the GQA group is
 # ------------------------------------------------------------------------------------------------------------
 # argument checks (shapes are static, so these raise at trace time with a clear message)
 # ------------------------------------------------------------------------------------------------------------
-def _check_args(q, k, v, pos, length, block_size: int, block_mask) -> None:
+def _check_args(q, k, v, pos, length, block_size: int, block_mask, layer=None) -> None:
+    """Shape and dtype checks; with `layer`, k, v and pos are stacked over layers and one layer is checked."""
+    if layer is not None:
+        k, v, pos = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}; expected [batch, kv_heads, group, head_dim]")
     batch, kv_heads, _, head_dim = q.shape
@@ -268,11 +271,7 @@ def decode_attention(
       [batch, kv_heads, group, head_dim] in q's dtype; 0 for rows without a valid slot.
     """
     del unused
-    if layer is not None:
-        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
-        _check_args(q, *one_layer, length, block_size, block_mask)
-    else:
-        _check_args(q, k, v, pos, length, block_size, block_mask)
+    _check_args(q, k, v, pos, length, block_size, block_mask, layer)
     head_dim = q.shape[3]
     if not is_power_of_2(block_size) or block_size < 16:
         raise ValueError(f"block_size={block_size} must be a power of two >= 16 for the Pallas kernel")
@@ -383,11 +382,7 @@ def decode_attention_reference(
     never copied out (a traced index works, as inside a `lax.scan` over layers).
     """
     del unused
-    if layer is not None:
-        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
-        _check_args(q, *one_layer, length, block_size, block_mask)
-    else:
-        _check_args(q, k, v, pos, length, block_size, block_mask)
+    _check_args(q, k, v, pos, length, block_size, block_mask, layer)
     return _decode_reference(
         q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=_scale(scale, q.shape[3])
     )

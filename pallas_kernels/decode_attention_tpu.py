@@ -51,9 +51,9 @@ DEFAULT_BLOCK_SIZE_TPU = 1024  # 2 x 256 KiB of bf16 K and V per grid step: amor
 _NEG = -1e30  # finite start for running maxima: exp(m_old - m_new) never sees inf - inf
 
 
-def _check_args(q, k, v, pos, length, block_size: int) -> None:
+def _check_args(q, k, v, pos, length, block_size: int, layer=None) -> None:
     """The decode kernels' shape and dtype checks, plus the TPU kernel's block size (a multiple of the lanes)."""
-    check_decode_args(q, k, v, pos, length, 1, None)
+    check_decode_args(q, k, v, pos, length, 1, None, layer)
     if block_size < LANES or block_size % LANES:
         raise ValueError(f"block_size={block_size} must be a multiple of {LANES} for the TPU kernel")
 
@@ -196,11 +196,7 @@ def decode_attention_tpu(
       [batch, kv_heads, group, head_dim] in q's dtype; 0 for rows without a valid slot.
     """
     del unused
-    if layer is not None:
-        one_layer = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
-        _check_args(q, *one_layer, length, block_size)
-    else:
-        _check_args(q, k, v, pos, length, block_size)
+    _check_args(q, k, v, pos, length, block_size, layer)
     head_dim = q.shape[3]
     scale = float(head_dim**-0.5 if scale is None else scale)
     return _decode_tpu(q, k, v, pos, length, layer, block_size=block_size, scale=scale, interpret=interpret)

@@ -71,32 +71,9 @@ def window_logits(queries: jax.Array, keys: jax.Array, temperature: float = 1.0)
     return lg / (jnp.sqrt(jnp.asarray(d, _F32)) * temperature)
 
 
-def window_attention_score(
-    queries: jax.Array,
-    query_valid: jax.Array,
-    keys: jax.Array,
-    valid: jax.Array,
-    *,
-    temperature: float = 1.0,
-    smooth: bool = True,
-    impl: str = "xla",
-) -> jax.Array:
-    """The VaSE window-attention score s (spec 3.0), float32 `[batch, kv_heads, L]`.
-
-        a[b,h,g,t,j] = softmax_{j valid}(q[b,h,g,t] . k[b,h,j] / (sqrt(D) T))
-        p[b,h,g,j]   = mean_{t : query_valid[b,t]} a[b,h,g,t,j]
-        s[b,h,j]     = mean_g AvgPool5(p[b,h,g,:])[j]     (pool only if `smooth`; zero padding, always / 5)
-
-    Pooling runs over slot order. Invalid candidates are 0 before pooling (so an invalid prefix acts as the
-    zero padding of the unpadded array) and are set to 0 after it. Pooling and the means are linear, so they
-    commute.
-
-    queries [b, h, g, W, D] (GQA: query head i belongs to kv head i // g), query_valid [b, W],
-    keys [b, h, L, D], valid [b, h, L]. The equation and its pure-JAX reference live in
-    `vase_jax.eviction.window_score`; `impl` ("auto" | "xla" | "pallas" | "pallas_gpu" | "pallas_tpu") picks the
-    Pallas kernel of the platform or the XLA path, the same switch as decode attention (`pallas_kernels.dispatch`).
-    """
-    return window_score(queries, query_valid, keys, valid, temperature=temperature, smooth=smooth, impl=impl)
+# The VaSE window-attention score s (spec 3.0): its equation, reference and kernel dispatch live in
+# `vase_jax.eviction.window_score`; `impl` picks the kernel as for decode attention.
+window_attention_score = window_score
 
 
 # ---- value magnitude ---------------------------------------------------------------------------------------
