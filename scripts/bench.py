@@ -232,7 +232,7 @@ class Bench:
         compile_s = time.perf_counter() - start
         mem = compiled.memory_analysis()
         return {"method": ev.method, "budget": ev.budget if ev.evicts else None, "output_len": n,
-                "capacity": framework.capacity_for(ev, t, t - self.args.prompt_len, n),
+                "capacity": framework.capacity_for(ev, t, n),
                 "lower_s": lower_s, "compile_s": compile_s, "hlo_lines": len(compiled.as_text().splitlines()),
                 "temp_bytes": None if mem is None else mem.temp_size_in_bytes,
                 "argument_bytes": None if mem is None else mem.argument_size_in_bytes}
@@ -241,7 +241,7 @@ class Bench:
         """Every figure of one (method, budget, output length); also returns the generated tokens."""
         args, b, t = self.args, self.batch, self.ids.shape[1]
         gen = self.generate_config(n)
-        capacity = framework.capacity_for(ev, t, t - args.prompt_len, n)
+        capacity = framework.capacity_for(ev, t, n)
         window = query_window(ev)
         key = jax.random.key(args.seed)
         graphdef = self.graphdef
@@ -269,9 +269,9 @@ class Bench:
         inputs = (graphdef, self.state, self.ids, self.mask, capacity, window, args.attention_impl, state)
         prefill = vb.time_runs(lambda: vb.prefill(*inputs), args.repeats, 1)
         cache0 = vb.prefill(*inputs)[1]
-        sched = vb.cache_schedule(ev, t, args.prompt_len, capacity, n)
+        sched = vb.cache_schedule(ev, args.prompt_len, n)
         tok_s = vb.decode_rate(total, prefill, b * (n - 1))
-        step_start = self.step_ms(capacity, window, t, state)
+        step_start = self.step_ms(capacity, window, args.prompt_len, state)
         step_end = self.step_ms(capacity, window, int(sched.slots_read[-1]) - 1, state)
         evict = self.evict_ms(ev, capacity) if ev.evicts else None
         evict_per_step = evict.median / ev.buffer if evict is not None else 0.0
@@ -282,7 +282,7 @@ class Bench:
             "engine": "vase_jax", "method": ev.method, "budget": ev.budget if ev.evicts else None,
             "buffer": ev.buffer if ev.evicts else None, "output_len": n, "capacity": capacity,
             "evictions": int(out.evictions), "evictions_expected": sched.events,
-            "cache_length_end": int(out.cache_length), "cache_length_expected": sched.final_length,
+            "cache_length_end": int(out.cache_length.max()), "cache_length_expected": sched.final_length,
             "compile_s": compile_s, "total_s": total.as_dict(), "prefill_s": prefill.as_dict(),
             "decode_tok_s": _dict(tok_s), "step_ms_start": step_start.as_dict(),
             "step_ms_end": step_end.as_dict(),

@@ -135,7 +135,7 @@ def decode_benchmark(
             result["rows"].append({**row, "skipped": "time budget"})
             save()
             continue
-        capacity = framework.capacity_for(ev, bucket, bucket - prompt_len, length)
+        capacity = framework.capacity_for(ev, bucket, length)
         live = bucket + length if not ev.evicts else budget + buffer // 2  # slots at that point (mean)
         live = min(live, capacity - micro_steps)  # the micro steps append `micro_steps` slots
         state_key = (method, capacity, live)

@@ -70,21 +70,23 @@ def test_smoke_outputs_and_positive_figures(smoke):
 
 def test_smoke_schedule_and_cache_bytes(smoke):
     """The replayed schedule (events, final length) equals what generate reports, and the cache bytes equal
-    the layout's formula: 16 tokens left-padded to the 64 bucket, N=32, B=8, 64 new tokens."""
+    the layout's formula: 16 tokens (left-padded to the 64 bucket; the cache holds no padding), N=32, B=8, 64 new
+    tokens."""
     result, _ = smoke
     cfg = vb.TINY
     for r in result["runs"]:
         assert r["evictions"] == r["evictions_expected"]
         assert r["cache_length_end"] == r["cache_length_expected"]
         per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * (2 * cfg.head_dim * 4 + 4)  # batch 2, k+v f32, pos
-        assert r["cache_bytes"] == r["capacity"] * per_slot + 2 * 4 + 4 * 4  # + row_pos, 4 scalars
+        # + row_pos, length, seen, evictions ([batch] int32) and active ([batch] bool)
+        assert r["cache_bytes"] == r["capacity"] * per_slot + 4 * 2 * 4 + 2
     runs = {r["method"]: r for r in result["runs"]}
     align = getattr(framework, "CAPACITY_ALIGN", 1)
-    for method, slots in (("full", 64 + 64), ("vase_dkv", max(64, 32 + 48) + 8)):
-        # full: bucket + new tokens; eviction: max(bucket, budget + bucket slack) + buffer; rounded up to `align`
+    for method, slots in (("full", 64 + 64), ("vase_dkv", max(64, 32) + 8)):
+        # full: bucket + new tokens; eviction: max(bucket, budget) + buffer; rounded up to `align`
         assert runs[method]["capacity"] == -(-slots // align) * align
     # 63 steps: the first event when 40 real tokens are held (step 24), then one every 8 steps: 5 events
-    assert runs["vase_dkv"]["evictions"] == 5 and runs["full"]["cache_length_end"] == 64 + 63
+    assert runs["vase_dkv"]["evictions"] == 5 and runs["full"]["cache_length_end"] == 16 + 63
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,7 @@ def test_roofline_sums_the_schedule():
     """Bytes over a run: weights every step + the live slots each step attends + 2x (N + B) slots per event."""
     model = vj.Qwen3(vb.TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
-    sched = vb.cache_schedule(ev, prompt_slots=16, prompt_tokens=16, capacity=40, max_new_tokens=50)
+    sched = vb.cache_schedule(ev, prompt_tokens=16, max_new_tokens=50)
     # length after each step: 17..40 -> evict at 40 (> 32, % 8 == 0), then 33..40 -> evict, ...
     lengths, length, events = [], 16, 0
     for _ in range(49):

@@ -63,7 +63,7 @@ def drive(model, ids, mask, ev, max_new, key):
     """generate's schedule as a Python loop (greedy), returning tokens and a snapshot around every eviction."""
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     t = ids.shape[1]
-    cap = framework.capacity_for(ev, t, 0, max_new)
+    cap = framework.capacity_for(ev, t, max_new)
     logits, cache = prefill(model, ids, mask, cap, query_window(ev), "auto", framework.slot_state(ev))
     token = jnp.argmax(logits, -1).astype(jnp.int32)
     tokens, events = [token], []
@@ -86,38 +86,48 @@ def test_framework_invariants(peaked, tokenizer, method):
     ids, mask = batch.input_ids, batch.attention_mask
     max_new = 120
     tokens, events = drive(peaked, ids, mask, ev, max_new, jax.random.key(0))
-    p = int(batch.lengths.max())
-    schedule = reference_schedule(p, max_new - 1, N, B)
-    assert [int(before.seen) for before, _ in events] == schedule and len(schedule) >= 4
+    lengths = [int(x) for x in batch.lengths]
+    assert len(set(lengths)) == 2  # two prompt lengths: each row runs its own schedule
+    schedules = [reference_schedule(p, max_new - 1, N, B) for p in lengths]
+    fired = [np.asarray(framework.rows_to_evict(before, ev)) for before, _ in events]
+    for r, schedule in enumerate(schedules):
+        assert [int(before.seen[r]) for (before, _), f in zip(events, fired, strict=True) if f[r]] == schedule
+        assert len(schedule) >= 4
     k = N - B
-    for before, after in events:
-        length = int(before.length)
-        assert int(after.length) == N and int(after.seen) == N
-        for layer in range(peaked.cfg.num_layers):
-            pb, pa = np.asarray(before.pos[layer]), np.asarray(after.pos[layer])  # [batch, kv_heads, capacity]
-            # the newest B slots survive, moved behind the kept ones
-            np.testing.assert_array_equal(pa[:, :, k:N], pb[:, :, length - B:length])
-            assert (pa[:, :, N:] == -1).all()
-            np.testing.assert_array_equal(np.asarray(after.k[layer])[:, :, k:N],
-                                          np.asarray(before.k[layer])[:, :, length - B:length])
-            for r in range(pb.shape[0]):
-                for h in range(pb.shape[1]):
-                    cand = pb[r, h, :length - B]
+    for (before, after), f in zip(events, fired, strict=True):
+        for r in range(len(lengths)):
+            if not f[r]:  # a row whose trigger did not fire keeps its slots untouched
+                assert int(after.length[r]) == int(before.length[r]) and int(after.seen[r]) == int(before.seen[r])
+                np.testing.assert_array_equal(np.asarray(after.pos)[:, r], np.asarray(before.pos)[:, r])
+                np.testing.assert_array_equal(np.asarray(after.k)[:, r], np.asarray(before.k)[:, r])
+                continue
+            length = int(before.length[r])
+            assert int(after.length[r]) == N and int(after.seen[r]) == N
+            for layer in range(peaked.cfg.num_layers):
+                pb, pa = np.asarray(before.pos[layer])[r], np.asarray(after.pos[layer])[r]  # [kv_heads, capacity]
+                # the newest B slots survive, moved behind the kept ones
+                np.testing.assert_array_equal(pa[:, k:N], pb[:, length - B:length])
+                assert (pa[:, N:] == -1).all()
+                np.testing.assert_array_equal(np.asarray(after.k[layer])[r, :, k:N],
+                                              np.asarray(before.k[layer])[r, :, length - B:length])
+                for h in range(pb.shape[0]):
+                    cand = pb[h, :length - B]
                     valid_cand = set(cand[cand >= 0].tolist())
-                    kept = pa[r, h, :k]
+                    kept = pa[h, :k]
                     kept_valid = kept[kept >= 0]
                     assert len(set(kept_valid.tolist())) == len(kept_valid)  # distinct
                     assert set(kept_valid.tolist()) <= valid_cand  # only candidates
-                    assert len(kept_valid) == min(k, len(valid_cand))  # no padding kept while a valid one is left
+                    assert len(kept_valid) == min(k, len(valid_cand))  # no empty slot kept while a valid one is left
                     if method in SINK_METHODS:
                         assert {0, 1, 2, 3} <= set(kept_valid.tolist())
-    # generate runs exactly this schedule. Its tokens equal the driver's up to the first eviction; after it they may
-    # part, since one fused program and separately jitted pieces may round differently and flip near-ties.
+    # generate runs exactly these schedules (each row its own). Its tokens equal the driver's up to the first
+    # eviction; after it they may part, since one fused program and separately jitted pieces may round differently
+    # and flip near-ties.
     out = vj.generate(peaked, ids, mask, key=jax.random.key(0), eviction=ev,
                       config=vj.GenerateConfig(max_new_tokens=max_new, temperature=0.0, eos_token_ids=()))
-    assert int(out.evictions) == len(schedule)
-    assert int(out.cache_length) == final_cur_len(p, max_new - 1, N, B)  # no padding is left after an eviction
-    first = schedule[0] - p  # decode steps before the first eviction
+    assert np.asarray(out.row_evictions).tolist() == [len(s) for s in schedules]
+    assert np.asarray(out.cache_length).tolist() == [final_cur_len(p, max_new - 1, N, B) for p in lengths]
+    first = min(s[0] - p for s, p in zip(schedules, lengths, strict=True))  # decode steps before the first eviction
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, : first + 1], tokens[:, : first + 1])
 
 
@@ -129,7 +139,7 @@ def test_sinks_kept_forever_over_many_evictions(peaked, tokenizer):
                                                return_cache=True))
     assert int(out.evictions) >= 20
     for pos in out.cache.pos:
-        pos = np.asarray(pos)[:, :, : int(out.cache.length)]
+        pos = np.asarray(pos)[:, :, : int(out.cache.length[0])]
         for r in range(pos.shape[0]):
             for h in range(pos.shape[1]):
                 assert {0, 1, 2, 3} <= set(pos[r, h].tolist())
@@ -196,11 +206,12 @@ def test_long_generation_static_memory_and_finite(peaked, tokenizer):
                           config=vj.GenerateConfig(max_new_tokens=n, temperature=0.8, top_p=1.0, eos_token_ids=(),
                                                    return_cache=True))
         assert int(out.num_tokens.min()) == n
-        assert int(out.evictions) == len(reference_schedule(int(batch.lengths.max()), n - 1, 256, 32))
+        assert np.asarray(out.row_evictions).tolist() == [
+            len(reference_schedule(int(p), n - 1, 256, 32)) for p in batch.lengths]
         for x in (*out.cache.k, *out.cache.v, *out.cache.queries):
             assert np.isfinite(np.asarray(x)).all()
-        assert out.cache.capacity == framework.capacity_for(ev, 64, 64 - batch.input_ids.shape[1], n)
-        assert out.cache.capacity == 384  # 256 + 32 + the bucket's padding slack (50), rounded up to 64
+        assert out.cache.capacity == framework.capacity_for(ev, 64, n)
+        assert out.cache.capacity == 320  # max(P, N) + B = 256 + 32 (prompts hold no padding), rounded up to 64
         sizes.append(cache_bytes(out.cache))
     assert sizes[0] == sizes[1]
 

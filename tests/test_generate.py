@@ -73,8 +73,9 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
     ids = jnp.ones((2, 64), jnp.int32)
     cfg = vj.GenerateConfig(max_new_tokens=200, temperature=0.6, layer_loop=layer_loop)
     for ev in (vj.EvictionConfig("full"), vj.EvictionConfig("vase_attnv", budget=128, buffer=32)):
-        cap = framework.capacity_for(ev, 64, 0, cfg.max_new_tokens)
-        hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), cfg, ev,
+        cap = framework.capacity_for(ev, 64, cfg.max_new_tokens)
+        caps = jnp.full((2,), cfg.max_new_tokens, jnp.int32)
+        hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), caps, cfg, ev,
                               cap).compile().as_text()
         copies = per_step_copies(hlo, lambda dims, cap=cap: cap in dims)  # only cache arrays have a capacity axis
         assert copies == [], f"{ev.method}: cache-sized copies in the decode step:\n" + "\n".join(copies)
@@ -94,9 +95,15 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
             assert sliced == [], "\n".join(sliced)
         else:
             assert sliced and all(math.prod(dims_of(line)) <= largest_layer_weight for line in sliced), sliced
-        # the check can see copies: the eviction branch (once per `buffer` steps) does rewrite the cache
-        if ev.evicts:
-            assert per_step_copies(hlo, lambda dims, cap=cap: cap in dims, follow_branches=True)
+    # the check can see copies: a loop that keeps the old value of a cache-sized carry must copy it every step
+    # (the eviction branch used to rewrite the cache through a copy; its per-row gather now writes in place)
+    cap = framework.capacity_for(vj.EvictionConfig("full"), 64, cfg.max_new_tokens)
+
+    def keeps_old(x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0, c[1]), (0, x, x))
+
+    hlo = jax.jit(keeps_old).lower(jnp.ones((2, cap))).compile().as_text()
+    assert per_step_copies(hlo, lambda dims: cap in dims)
 
 
 def test_compiles_once_per_shape(model, tokenizer):

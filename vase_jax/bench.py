@@ -186,20 +186,17 @@ class Schedule:
     final_length: int  # slots in use at the end
 
 
-def cache_schedule(
-    eviction: EvictionConfig, prompt_slots: int, prompt_tokens: int, capacity: int, max_new_tokens: int
-) -> Schedule:
-    """Replay the loop of `generate`: step s writes slot `length` and attends over `length + 1` slots; after
-    each step the eviction of `framework.should_evict` (real tokens > N and a multiple of B, or a full cache)
-    sets the length back to N. `prompt_slots` counts padding, `prompt_tokens` the longest row's real
-    tokens."""
-    length, seen, events = prompt_slots, prompt_tokens, 0
+def cache_schedule(eviction: EvictionConfig, prompt_tokens: int, max_new_tokens: int) -> Schedule:
+    """Replay the loop of `generate` for a row of `prompt_tokens` real tokens (the cache holds no padding): step
+    s writes slot `length` and attends over `length + 1` slots; after each step the eviction of
+    `framework.trigger` (real tokens > N and a multiple of B) sets the length back to N."""
+    length, events = prompt_tokens, 0
     reads = np.empty(max_new_tokens - 1, np.int64)
     for s in range(max_new_tokens - 1):
         reads[s] = length + 1
-        length, seen = length + 1, seen + 1
-        if eviction.evicts and framework.trigger(seen, length, capacity, eviction):
-            length = seen = eviction.budget
+        length += 1
+        if eviction.evicts and framework.trigger(length, eviction):
+            length = eviction.budget
             events += 1
     return Schedule(reads, events, length)
 
@@ -256,8 +253,8 @@ def filled_cache(
                    pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), shapes["pos"]),
                    queries=jax.random.normal(kq, shapes["queries"], jnp.float32).astype(dtype),
                    query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
-                   length=jnp.array(length, jnp.int32), seen=jnp.array(length, jnp.int32),
-                   time=jnp.array(length, jnp.int32), evictions=jnp.array(0, jnp.int32),
+                   length=jnp.full((batch,), length, jnp.int32), seen=jnp.full((batch,), length, jnp.int32),
+                   evictions=jnp.zeros((batch,), jnp.int32), active=jnp.ones((batch,), bool),
                    state={s.name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), shapes["pos"]),
                                             0.0) for i, s in enumerate(state)},
                    state_specs=tuple(state))
@@ -269,7 +266,8 @@ def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, atte
     """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
     The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token)."""
     model = nnx.merge(graphdef, state)
-    cache = cache.replace(length=start, seen=start, time=start, row_pos=jnp.full_like(cache.row_pos, start))
+    start = jnp.full_like(cache.row_pos, start)  # every row
+    cache = cache.replace(length=start, seen=start, row_pos=start)
     layers = model.layer_weights(unstack=resolve_layer_loop(layer_loop) == "unroll")  # as generate runs them
 
     def body(_, carry):
@@ -284,8 +282,9 @@ def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, atte
 def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention_impl: str = "auto") -> KVCache:
     """One `framework.evict` event on a cache holding `budget + buffer` slots (the state at a trigger). The
     cache is donated and its length restored afterwards, so calls can repeat on the returned cache."""
-    full = jnp.int32(eviction.budget + eviction.buffer)
-    out = framework.evict(cache.replace(length=full, seen=full), eviction, key, row_ids, attention_impl)
+    full = jnp.full_like(cache.length, eviction.budget + eviction.buffer)  # every row at its trigger
+    out = framework.evict(cache.replace(length=full, seen=full, active=jnp.ones_like(cache.active)), eviction, key,
+                          row_ids, attention_impl)
     return out.replace(pos=cache.pos, length=full, seen=full)
 
 

@@ -2,20 +2,24 @@
 
 Layout (DESIGN.md), stacked over layers, every axis named in `CACHE_AXES`: `k`, `v` [layers, batch, kv_heads,
 capacity, head_dim] (keys post-RoPE, never re-rotated) and `pos` [layers, batch, kv_heads, capacity] int32 (the
-absolute position a slot holds, -1 when empty or padding; after an eviction every (layer, row, kv head) holds its
-own selection). Rows advance in lock-step: `length` slots are in use in every row. Attention-scored eviction
-policies also need `queries`, a ring buffer of the post-RoPE queries of the newest `window` tokens, [layers, batch,
-kv_heads, group, window, head_dim]; the token written at time t sits in ring slot t % window. Policies with per-slot
-state (`vase_jax.eviction.SlotState`, e.g. H2O's accumulated attention) add `state`, a dict of float32 arrays
-[layers, batch, kv_heads, capacity] (`STATE_AXES`), updated from the attention weights at the prefill and at every
-decode step (`prefill_state`, `update_state`); `state` is empty, and costs nothing, for every other policy.
+absolute position a slot holds, -1 when empty; after an eviction every (layer, row, kv head) holds its own
+selection). Attention-scored eviction policies also need `queries`, a ring buffer of the post-RoPE queries of the
+newest `window` tokens, [layers, batch, kv_heads, group, window, head_dim]; a row's real token t sits in ring slot
+t % window. Policies with per-slot state (`vase_jax.eviction.SlotState`, e.g. H2O's accumulated attention) add
+`state`, a dict of float32 arrays [layers, batch, kv_heads, capacity] (`STATE_AXES`), updated from the attention
+weights at the prefill and at every decode step (`prefill_state`, `update_state`); `state` is empty, and costs
+nothing, for every other policy.
 
-Scalars: `length` (slots in use), `seen` (the reference's `cur_len`: real tokens held by the longest row, which
-drives the eviction trigger and is not shifted by padding), `time` (tokens written so far, padding included),
-`evictions` (eviction events so far). `row_pos` [batch] is each row's next RoPE position (its real tokens so far).
+Every row is its own sequence (the reference's batch of one): per-row [batch] counters `length` (slots in use),
+`seen` (the reference's `cur_len`, which drives the row's eviction trigger), `row_pos` (the next token's RoPE
+position = real tokens written so far, also the row's ring clock), `evictions` (the row's eviction count, which
+keys its eviction randomness) and `active` (the row takes a token at the next decode step; a waiting or finished
+row's step writes nothing and counts nothing). A prompt is stored without its padding: row b's real tokens sit in
+slots [0, P_b), whatever bucket the batch was padded to, so a row's cache never depends on the other rows.
 
-Writes are `dynamic_update_slice`s into the stacked arrays at a (possibly traced) layer index: in place inside
-a loop, whether the layers are scanned or unrolled.
+Decode writes are per-row scatters at slot `length[b]` (in place inside the loop; an inactive row's write goes to
+an out-of-range slot and is dropped). The decode attention reads slots [0, max_b length[b]): a row's slots beyond
+its own length hold `pos = -1` and are masked.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ CACHE_AXES = {
     "queries": ("layers", "batch", "kv_heads", "group", "window", "head_dim"),
     "query_valid": ("batch", "window"),
     "row_pos": ("batch",),
+    "length": ("batch",),
+    "seen": ("batch",),
+    "evictions": ("batch",),
+    "active": ("batch",),
 }
 STATE_AXES = ("layers", "batch", "kv_heads", "slots")  # every per-slot state array
 
@@ -74,11 +82,11 @@ class KVCache:
     pos: jax.Array  # [layers, batch, kv_heads, capacity] int32, -1 = empty
     queries: jax.Array  # [layers, batch, kv_heads, group, window, head_dim]; window 0 if unused
     query_valid: jax.Array  # [batch, window] bool: ring slot holds a real token's query
-    row_pos: jax.Array  # [batch] int32
-    length: jax.Array  # int32 scalar
-    seen: jax.Array  # int32 scalar
-    time: jax.Array  # int32 scalar
-    evictions: jax.Array  # int32 scalar
+    row_pos: jax.Array  # [batch] int32: next RoPE position = real tokens written (the ring's clock)
+    length: jax.Array  # [batch] int32: slots in use
+    seen: jax.Array  # [batch] int32: the reference's cur_len (trigger counter)
+    evictions: jax.Array  # [batch] int32: evictions of the row so far
+    active: jax.Array  # [batch] bool: the row takes a token at the next decode step
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
 
@@ -114,94 +122,119 @@ def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, 
         queries=jnp.zeros(shapes["queries"], dtype),
         query_valid=jnp.zeros(shapes["query_valid"], bool),
         row_pos=jnp.zeros(shapes["row_pos"], jnp.int32),
-        length=jnp.int32(0),
-        seen=jnp.int32(0),
-        time=jnp.int32(0),
-        evictions=jnp.int32(0),
+        length=jnp.zeros(shapes["length"], jnp.int32),
+        seen=jnp.zeros(shapes["seen"], jnp.int32),
+        evictions=jnp.zeros(shapes["evictions"], jnp.int32),
+        active=jnp.ones(shapes["active"], bool),
     )
 
 
-def _ring_times(t: int, window: int) -> jax.Array:
-    """Ring slot r holds the newest prompt token whose time index t' satisfies t' % window == r: [window] t'
-    (negative when the prompt is shorter than the window)."""
+def _ring_times(real: jax.Array, window: int) -> jax.Array:
+    """Ring slot r holds the newest real token t < real[b] with t % window == r: [batch, window] t (negative when
+    the row has fewer than `window` real tokens: no query)."""
     r = jnp.arange(window)
-    return (t - 1) - ((t - 1 - r) % window)
+    last = real[:, None] - 1  # [batch, 1]
+    return last - ((last - r) % window)
 
 
-def _prompt_ring_valid(token_mask: jax.Array, window: int) -> jax.Array:
-    """[batch, window]: ring slot holds a real prompt token's query."""
-    t = token_mask.shape[1]
-    t_r = _ring_times(t, window)
-    return (t_r >= 0)[None, :] & jnp.take(token_mask, jnp.clip(t_r, 0, t - 1), axis=1)
+def _padding(token_mask: jax.Array) -> jax.Array:
+    """[batch] left-padding columns of each row of `token_mask` [batch, seq]."""
+    return token_mask.shape[1] - token_mask.sum(axis=1).astype(jnp.int32)
+
+
+def _unpad(x: jax.Array, pad: jax.Array, axis: int) -> jax.Array:
+    """Shift each row of a left-padded x [batch, ..., seq (at `axis`), ...] left by pad[b]: its real entries
+    come first (the tail repeats the last entry; the caller masks it)."""
+    seq = x.shape[axis]
+    idx = jnp.minimum(jnp.arange(seq)[None] + pad[:, None], seq - 1)  # [batch, seq]
+    idx = idx.reshape(idx.shape[:1] + (1,) * (axis - 1) + (seq,) + (1,) * (x.ndim - axis - 1))
+    return jnp.take_along_axis(x, idx, axis=axis)
 
 
 def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array) -> KVCache:
-    """Write one layer of a left-padded prompt into slots [0, seq) of an empty cache (after `start_prompt`).
+    """Write one layer of a left-padded prompt into an empty cache (after `start_prompt`): row b's real tokens
+    go to slots [0, P_b) (its padding is dropped), the queries of its newest `window` real tokens to the ring.
 
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
-    t = k.shape[2]
+    pad = _padding(token_mask)  # [batch]
     new = cache.replace(
-        k=update_slice(cache.k, k[None], (layer, 0, 0, 0, 0)),
-        v=update_slice(cache.v, v[None], (layer, 0, 0, 0, 0)),
+        k=update_slice(cache.k, _unpad(k, pad, 2)[None], (layer, 0, 0, 0, 0)),
+        v=update_slice(cache.v, _unpad(v, pad, 2)[None], (layer, 0, 0, 0, 0)),
     )
     if cache.window:
-        t_r = _ring_times(t, cache.window)
-        valid = _prompt_ring_valid(token_mask, cache.window)  # [batch, window]
-        ring = jnp.take(q, jnp.clip(t_r, 0, t - 1), axis=3)  # [batch, kv_heads, group, window, head_dim]
-        ring = jnp.where(valid[:, None, None, :, None], ring, 0)
+        t = k.shape[2]
+        t_r = _ring_times(t - pad, cache.window)  # [batch, window] real-token times
+        src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
+        ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
+        ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
         new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
     return new
 
 
 def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
-    """Before a prompt of `token_mask` [batch, seq] is written: the positions of slots [0, seq) in every layer
-    (each row counts its real tokens from 0; padding -1), the query ring's validity and the scalars."""
+    """Before a prompt of `token_mask` [batch, seq] is written: slot j of row b holds position j for j < P_b
+    (every layer; -1 beyond), the query ring's validity and the per-row counters (length = seen = row_pos = P_b)."""
     t = token_mask.shape[1]
-    positions = jnp.where(token_mask, jnp.cumsum(token_mask, axis=1) - 1, -1).astype(jnp.int32)  # [batch, seq]
-    pos = jnp.broadcast_to(positions[None, :, None, :], cache.pos.shape[:3] + (t,))  # [layers, batch, kv_heads, seq]
     real = token_mask.sum(axis=1).astype(jnp.int32)  # [batch]
+    slot = jnp.arange(t, dtype=jnp.int32)
+    positions = jnp.where(slot[None] < real[:, None], slot[None], -1)  # [batch, seq]
+    pos = jnp.broadcast_to(positions[None, :, None, :], cache.pos.shape[:3] + (t,))  # [layers, batch, kv_heads, seq]
     return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos, (0, 0, 0, 0)),
-                         query_valid=_prompt_ring_valid(token_mask, cache.window), row_pos=real,
-                         length=jnp.int32(t), seen=real.max(), time=jnp.int32(t))
+                         query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, length=real, seen=real,
+                         evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
+
+
+def _write_slots(cache: KVCache) -> jax.Array:
+    """[batch] the slot each row's token of this step goes to: length - 1 (after `start_token`), or the
+    out-of-range `capacity` for an inactive row (the scatter drops it)."""
+    return jnp.where(cache.active, cache.length - 1, cache.capacity)
 
 
 def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array) -> KVCache:
-    """Write one token per row of one layer at slot `length - 1` (after `start_token`), in place.
+    """Write one token per active row of one layer at slot `length[b] - 1` (after `start_token`), in place.
 
     k, v: [batch, kv_heads, 1, head_dim]; q: [batch, kv_heads, group, 1, head_dim] (into the query ring, if any).
     """
-    slot = cache.length - 1  # `start_token` counted the token already
+    rows = jnp.arange(k.shape[0])
+    slot = _write_slots(cache)  # [batch]
     new = cache.replace(
-        k=update_slice(cache.k, k[None], (layer, 0, 0, slot, 0)),
-        v=update_slice(cache.v, v[None], (layer, 0, 0, slot, 0)),
+        k=cache.k.at[layer, rows, :, slot].set(k[:, :, 0].astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[layer, rows, :, slot].set(v[:, :, 0].astype(cache.v.dtype), mode="drop"),
     )
     if cache.window:
-        ring_slot = (cache.time - 1) % cache.window
-        new = new.replace(queries=update_slice(cache.queries, q[None], (layer, 0, 0, 0, ring_slot, 0)))
+        ring_slot = jnp.where(cache.active, (cache.row_pos - 1) % cache.window, cache.window)  # [batch]
+        new = new.replace(queries=cache.queries.at[layer, rows, :, :, ring_slot].set(
+            q[:, :, :, 0].astype(cache.queries.dtype), mode="drop"))
     return new
 
 
 def start_token(cache: KVCache) -> KVCache:
-    """Before one token per row is written: its position at slot `length` in every layer (the same for all
-    layers, so written once, before any layer reads `pos`), the query ring's validity and the scalars."""
+    """Before one token per active row is written: its position at slot `length[b]` in every layer (the same
+    for all layers, so written once, before any layer reads `pos`), the query ring's validity and the counters.
+    Inactive rows (`active` False) are left as they are."""
     l, b, h, _ = cache.pos.shape
-    new_pos = jnp.broadcast_to(cache.row_pos[None, :, None, None], (l, b, h, 1)).astype(jnp.int32)
+    rows = jnp.arange(b)
+    slot = jnp.where(cache.active, cache.length, cache.capacity)  # [batch]; out of range: dropped
+    new_pos = jnp.broadcast_to(cache.row_pos[:, None, None], (b, l, h)).astype(jnp.int32)  # [batch, layers, heads]
+    pos = cache.pos.at[:, rows, :, slot].set(new_pos, mode="drop")
     query_valid = cache.query_valid
     if cache.window:
-        query_valid = jax.lax.dynamic_update_slice(
-            query_valid, jnp.ones((query_valid.shape[0], 1), bool), (0, cache.time % cache.window))
-    return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, new_pos, (0, 0, 0, cache.length)),
-                         query_valid=query_valid, row_pos=cache.row_pos + 1, length=cache.length + 1,
-                         seen=cache.seen + 1, time=cache.time + 1)
+        ring_slot = jnp.where(cache.active, cache.row_pos % cache.window, cache.window)
+        query_valid = query_valid.at[rows, ring_slot].set(True, mode="drop")
+    step = cache.active.astype(jnp.int32)
+    return cache.replace(pos=pos, query_valid=query_valid, row_pos=cache.row_pos + step,
+                         length=cache.length + step, seen=cache.seen + step)
 
 
 def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
-    """The ring of `layer` rolled so the oldest query comes first: ([b, kv_heads, group, window, d], [b, window])."""
+    """The ring of `layer` rolled per row so the oldest query comes first: ([b, kv_heads, group, window, d],
+    [b, window])."""
     w = cache.window
-    order = (cache.time + jnp.arange(w)) % w  # oldest ring slot first
+    order = (cache.row_pos[:, None] + jnp.arange(w)) % w  # [batch, window], oldest ring slot first
     ring = layer_of(cache.queries, layer)
-    return jnp.take(ring, order, axis=3), jnp.take(cache.query_valid, order, axis=1)
+    return (jnp.take_along_axis(ring, order[:, None, None, :, None], axis=3),
+            jnp.take_along_axis(cache.query_valid, order, axis=1))
 
 
 def _scaled_weights(q: jax.Array, k: jax.Array) -> jax.Array:
@@ -214,11 +247,12 @@ def decode_slot_weights(q: jax.Array, k: jax.Array, pos: jax.Array, length: jax.
 
         w[b, h, j] = sum_g softmax_{j live}(q[b, h, g] . k[b, h, j] / sqrt(D)),   live: pos >= 0 and j < length
 
-    q: [batch, kv_heads, group, head_dim]; k: one layer [batch, kv_heads, capacity, head_dim]; pos [b, h, capacity].
+    q: [batch, kv_heads, group, head_dim]; k: one layer [batch, kv_heads, capacity, head_dim]; pos [b, h, capacity];
+    length [batch].
     The same weights as the decode attention (which returns only its output), recomputed over the whole layer:
     the cost follows the capacity, paid only by policies with per-slot state.
     """
-    live = (pos >= 0) & (jnp.arange(k.shape[2]) < length)  # [b, h, capacity]
+    live = (pos >= 0) & (jnp.arange(k.shape[2]) < length[:, None, None])  # [b, h, capacity]
     logits = jnp.where(live[:, :, None], _scaled_weights(q, k), -jnp.inf)  # [b, h, g, capacity]
     probs = jax.nn.softmax(logits, axis=-1)
     return jnp.where(live, probs.sum(axis=2), 0.0)
@@ -226,31 +260,49 @@ def decode_slot_weights(q: jax.Array, k: jax.Array, pos: jax.Array, length: jax.
 
 def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     """After a decode step's write (`write_token`): state <- spec.update(state, w) for every per-slot state array
-    of `layer`, w = `decode_slot_weights` of the query q [batch, kv_heads, group, head_dim]."""
+    of `layer`, w = `decode_slot_weights` of the query q [batch, kv_heads, group, head_dim]. Inactive rows keep
+    their state."""
     k = layer_of(cache.k, layer)
     pos = layer_of(cache.pos, layer)
     w = decode_slot_weights(q, k, pos, cache.length)  # [b, h, capacity]
-    return _apply_state(cache, layer, w, 0)
+    return _apply_state(cache, layer, w, cache.active)
 
 
-def prefill_state(cache: KVCache, layer, probs: jax.Array) -> KVCache:
+def prefill_state(cache: KVCache, layer, probs: jax.Array, token_mask: jax.Array) -> KVCache:
     """After a prompt's write: state of slots [0, seq) <- spec.update(0, sum over the group and the queries of
-    `probs`), the prompt's causal attention [batch, kv_heads, group, seq, seq] (padding rows and columns 0)."""
-    return _apply_state(cache, layer, probs.sum(axis=(2, 3)), None)
+    `probs`), the prompt's causal attention [batch, kv_heads, group, seq, seq] (padding rows and columns 0),
+    unpadded like the keys (`write_prompt`)."""
+    pad = _padding(token_mask)  # [batch]
+    w = _unpad(probs.sum(axis=(2, 3)), pad, 2)  # [b, h, seq], real slots first
+    real = jnp.arange(w.shape[2])[None] < (w.shape[2] - pad)[:, None]  # [b, seq]
+    return _apply_state(cache, layer, jnp.where(real[:, None], w, 0.0), None)
 
 
-def _apply_state(cache: KVCache, layer, w: jax.Array, start) -> KVCache:
-    """state[layer, :, :, start:start + n] <- update(old or 0, w) with w [b, h, n] (start None: from 0 over zeros)."""
+def _apply_state(cache: KVCache, layer, w: jax.Array, rows) -> KVCache:
+    """state[layer] <- update(old, w) on the `rows` [batch] bool, w [b, h, capacity]; rows None: slots [0, n)
+    <- update(0, w) with w [b, h, n]."""
     new = {}
     for spec in cache.state_specs:
         x = cache.state[spec.name]
-        if start is None:
-            old = jnp.zeros(w.shape, jnp.float32)
+        if rows is None:
+            value = spec.update(jnp.zeros(w.shape, jnp.float32), w).astype(jnp.float32)
         else:
             old = jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
-        value = spec.update(old, w).astype(jnp.float32)[None]  # [1, b, h, n]
-        new[spec.name] = jax.lax.dynamic_update_slice(x, value, (layer, 0, 0, 0))
+            value = jnp.where(rows[:, None, None], spec.update(old, w).astype(jnp.float32), old)
+        new[spec.name] = jax.lax.dynamic_update_slice(x, value[None], (layer, 0, 0, 0))  # value [b, h, n]
     return cache.replace(state=new)
+
+
+def batch_axis(name: str) -> int:
+    """The "batch" axis of cache array `name` (a `CACHE_AXES` name, or "state" for a per-slot state array)."""
+    return (CACHE_AXES.get(name) or STATE_AXES).index("batch")
+
+
+def first_rows(cache: KVCache, n: int) -> KVCache:
+    """The cache of rows [0, n) (every array sliced along its "batch" axis)."""
+    fields = {name: jax.lax.slice_in_dim(getattr(cache, name), 0, n, axis=batch_axis(name)) for name in CACHE_AXES}
+    state = {name: jax.lax.slice_in_dim(x, 0, n, axis=batch_axis("state")) for name, x in cache.state.items()}
+    return cache.replace(**fields, state=state)
 
 
 def cache_bytes(cache: KVCache) -> int:

@@ -1,12 +1,19 @@
 """`generate`: prefill, then a decode loop compiled as one XLA program (`lax.while_loop`).
 
-Loop state is a small pytree (`LoopState`): the cache, the output buffer, the step and per-row end flags. Each step
-feeds the previous token of every row, appends one KV per layer, attends over the live slots, samples in float32,
-and -- for eviction methods -- runs the periodic eviction of `vase_jax.eviction.framework` when it triggers. The
-loop stops when every row has emitted an end token or `max_new_tokens` is reached.
+Loop state is a small pytree (`LoopState`): the cache, the output buffer, the batch's step count and per-row state
+(tokens produced, cap, end flag, start step, keys). Each step feeds the previous token of every active row,
+appends one KV per layer, attends over the live slots, samples in float32, and -- for eviction methods -- runs the
+periodic eviction of `vase_jax.eviction.framework` for the rows whose trigger fires. The loop stops when every row
+has emitted an end token or reached its cap.
 
-Randomness: `key` is split once into a sampling key and an eviction key. Step s samples row r with
-`fold_in(fold_in(sample_key, s), row)`; layer l's eviction number e uses `fold_in(fold_in(evict_key, l), e)`.
+Every row is its own sequence: its tokens depend only on its prompt, its key, its row id and the settings, never on
+the other rows or on when it started. Rows of an evicting batch start decoding at a step that puts their trigger
+phase on the batch's ticks (`framework.phase_wait`, a wait of at most B - 1 steps), so that a batch runs at most
+one eviction event per B steps; `full` has no ticks and starts every row at once.
+
+Randomness: `key` (one, or one per row) is split into a sampling key and an eviction key. A row's n-th token
+(n = 0 from the prefill) is sampled with `fold_in(fold_in(sample_key, n), row_id)`; its e-th eviction in layer l
+uses `fold_in(fold_in(evict_key, l), e)` (then the row id, inside the policy).
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from vase_jax.cache import KVCache, init_cache
+from vase_jax.cache import KVCache, first_rows, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
 from vase_jax.model import LayerWeights, Qwen3, prompt_positions
-from vase_jax.sampling import SamplingConfig, sample
+from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -100,8 +107,10 @@ class GenerateOutput:
     tokens: jax.Array  # [batch, max_new_tokens] int32, pad after the end token
     num_tokens: jax.Array  # [batch] int32, tokens generated per row (end token included)
     finished: jax.Array  # [batch] bool, True when the row emitted an end token
-    evictions: jax.Array  # int32 scalar, eviction events that ran
-    cache_length: jax.Array  # int32 scalar, slots in use at the end
+    evictions: jax.Array  # int32 scalar, eviction events the batch ran (each evicts one or more rows)
+    row_evictions: jax.Array  # [batch] int32, evictions of each row (its reference count)
+    cache_length: jax.Array  # [batch] int32, slots in use at the end
+    steps: jax.Array  # int32 scalar, decode steps the batch ran (rows that wait or have ended idle in some)
     cache: KVCache | None = None  # the final cache, when GenerateConfig.return_cache
 
 
@@ -110,9 +119,44 @@ class LoopState:
     cache: KVCache
     tokens: jax.Array  # [batch, max_new_tokens] int32
     last: jax.Array  # [batch] int32, the token fed at the next step
-    done: jax.Array  # [batch] bool
-    num_tokens: jax.Array  # [batch] int32
-    step: jax.Array  # int32 scalar: tokens produced so far
+    done: jax.Array  # [batch] bool: ended (end token or cap)
+    num_tokens: jax.Array  # [batch] int32: tokens produced (the row's own step index)
+    cap: jax.Array  # [batch] int32: the row's max_new_tokens
+    start: jax.Array  # [batch] int32: the batch step at which the row takes its first decode step
+    sample_key: jax.Array  # [batch] PRNG keys
+    evict_key: jax.Array  # [batch] PRNG keys
+    row_ids: jax.Array  # [batch] int32
+    step: jax.Array  # int32 scalar: decode steps the batch ran
+    events: jax.Array  # int32 scalar: eviction events the batch ran
+    last_event: jax.Array  # int32 scalar: the step of the latest event
+    min_event_gap: jax.Array  # int32 scalar: the fewest steps between two events (NO_GAP if fewer than two)
+
+
+NO_GAP = 1 << 30
+
+
+def _validate_caps(max_new_tokens, batch: int, config: GenerateConfig):
+    """Per-row caps: None (config.max_new_tokens for every row) or [batch] ints in [1, config.max_new_tokens]."""
+    import numpy as np
+
+    if max_new_tokens is None:
+        return np.full((batch,), config.max_new_tokens, np.int32)
+    if isinstance(max_new_tokens, jax.core.Tracer):
+        raise ValueError("max_new_tokens (per-row caps) must be a concrete array, not traced")
+    caps = np.asarray(max_new_tokens)
+    if caps.shape != (batch,) or not np.issubdtype(caps.dtype, np.integer):
+        raise ValueError(f"max_new_tokens: per-row caps must be an int array of shape [batch] = ({batch},), got "
+                         f"shape {caps.shape} dtype {caps.dtype}")
+    bad = np.flatnonzero((caps <= 0) | (caps > config.max_new_tokens))
+    if bad.size:
+        raise ValueError(f"max_new_tokens: rows {bad.tolist()} have caps {caps[bad].tolist()}; allowed: 1 .. "
+                         f"GenerateConfig.max_new_tokens={config.max_new_tokens}")
+    return caps.astype(np.int32)
+
+
+def _validate_key(key, batch: int):
+    if key.ndim not in (0, 1) or (key.ndim == 1 and key.shape[0] != batch):
+        raise ValueError(f"key: one PRNG key or one per row ([batch] = ({batch},)), got shape {tuple(key.shape)}")
 
 
 def _validate_inputs(model, input_ids, attention_mask, config: GenerateConfig, eviction: EvictionConfig):
@@ -148,15 +192,29 @@ def generate(
     config: GenerateConfig = DEFAULT_CONFIG,
     eviction: EvictionConfig = NO_EVICTION,
     row_ids: jax.Array | None = None,
+    max_new_tokens=None,
 ) -> GenerateOutput:
     """Sample up to `config.max_new_tokens` tokens per row from left-padded prompts.
 
-    input_ids, attention_mask: [batch, seq] (as `encode_prompts` returns). `row_ids` [batch] names each row's
-    random stream (default `arange(batch)`): a row gives the same tokens whatever else is in its batch.
-    Prompts longer than `eviction.budget` are kept whole until the first eviction, which then runs over more than
-    `budget` candidates (as the reference does); the capacity grows to hold them.
+    input_ids, attention_mask: [batch, seq] (as `encode_prompts` returns). `key`: one PRNG key, or one per row
+    [batch]. `row_ids` [batch] names each row's random stream (default `arange(batch)`): a row gives the same
+    tokens whatever else is in its batch. `max_new_tokens`: optional per-row caps [batch] (ints in
+    [1, config.max_new_tokens]). Prompts longer than `eviction.budget` are kept whole until the row's first
+    eviction, which then runs over more than `budget` candidates (as the reference does); the capacity grows to
+    hold them.
     """
-    return _generate(*_prepare(model, input_ids, attention_mask, key, config, eviction, row_ids))
+    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
+    out = _generate(*args)
+    if _lone_row(input_ids):
+        out = out.replace(tokens=out.tokens[:1], num_tokens=out.num_tokens[:1], finished=out.finished[:1],
+                          row_evictions=out.row_evictions[:1], cache_length=out.cache_length[:1],
+                          cache=None if out.cache is None else first_rows(out.cache, 1))
+    return out
+
+
+def _lone_row(input_ids) -> bool:
+    """A batch of one row runs beside a copy of itself (`_prepare`)."""
+    return jnp.shape(input_ids)[0] == 1
 
 
 def lower_generate(
@@ -168,88 +226,157 @@ def lower_generate(
     config: GenerateConfig = DEFAULT_CONFIG,
     eviction: EvictionConfig = NO_EVICTION,
     row_ids: jax.Array | None = None,
+    max_new_tokens=None,
     platforms: tuple[str, ...] | None = None,
 ) -> jax.stages.Lowered:
     """The `generate` program lowered for `platforms` (e.g. `("cuda",)` or `("tpu",)`, default: this host's),
     without running it: the same validation and padding as `generate`. Lowering for a platform the host does not
     have checks that every kernel of that platform lowers (`.as_text()` shows the program)."""
-    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids)
+    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
     traced = _generate.trace(*args)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
 
-def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids):
+def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens=None):
     """Validate, pad the prompt to its bucket and split the model: the arguments of `_generate`."""
     input_ids = jnp.asarray(input_ids)
     attention_mask = jnp.asarray(attention_mask)
     _validate_inputs(model, input_ids, attention_mask, config, eviction)
     b, t_in = input_ids.shape
+    caps = jnp.asarray(_validate_caps(max_new_tokens, b, config))
+    key = typed_key(jnp.asarray(key) if not isinstance(key, jax.Array) else key)
+    _validate_key(key, b)
+    if row_ids is not None and jnp.shape(row_ids) != (b,):
+        raise ValueError(f"row_ids has shape {tuple(jnp.shape(row_ids))}; expected [batch] = ({b},)")
+    if b == 1:
+        # XLA:CPU runs a one-row matmul as a matrix-vector product, whose float32 sums differ from those of the
+        # multi-row kernel that every larger batch uses. A row's numbers must not depend on its batch's size (the
+        # continuous engine runs samples in batches of any size), so a lone row runs beside a copy of itself;
+        # `generate` returns row 0.
+        input_ids, attention_mask, caps = (jnp.concatenate([x, x]) for x in (input_ids, attention_mask, caps))
+        key = key if key.ndim == 0 else jnp.concatenate([key, key])
+        row_ids = None if row_ids is None else jnp.concatenate([jnp.asarray(row_ids)] * 2)
+        b = 2
     t = config.bucket(t_in)
     if t > t_in:  # left-pad to the bucket so that prompts of nearby lengths share one compiled program
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=config.pad_id)
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
-    capacity = framework.capacity_for(eviction, t, t - t_in, config.max_new_tokens)
+    capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     graphdef, state = nnx.split(model)
     return (graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
-            jnp.asarray(row_ids, jnp.int32), config, eviction, capacity)
+            jnp.asarray(row_ids, jnp.int32), caps, config, eviction, capacity)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
-def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
+def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+    """(sample keys, eviction keys), [batch] each, from one key (shared by the rows) or one per row."""
+    if key.ndim == 0:
+        sample_key, evict_key = jax.random.split(key)
+        return jnp.broadcast_to(sample_key, (batch,)), jnp.broadcast_to(evict_key, (batch,))
+    pairs = jax.vmap(jax.random.split)(key)  # [batch, 2]
+    return pairs[:, 0], pairs[:, 1]
+
+
+def first_tokens(logits: jax.Array, sample_key: jax.Array, row_ids: jax.Array, config: GenerateConfig) -> jax.Array:
+    """Token 0 of every row, from the prefill's logits [batch, vocab]: [batch] int32."""
+    return sample(logits, fold_rows(sample_key, jnp.zeros_like(row_ids)), config.sampling, row_ids)
+
+
+def ended(token: jax.Array, num_tokens: jax.Array, cap: jax.Array, config: GenerateConfig) -> jax.Array:
+    """[batch] bool: `token` (the row's `num_tokens`-th) is an end token, or the row reached its cap."""
+    eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
+    return jnp.isin(token, eos) | (num_tokens >= cap)
+
+
+def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: GenerateConfig, eviction: EvictionConfig,
+                keep_going) -> LoopState:
+    """Decode steps while `keep_going(s)` (a scalar bool) holds, evicting the rows whose trigger fires.
+
+    A step feeds `last` of every active row (not done, and the batch has reached its `start` step), samples its
+    next token with its own key and step index, and writes it at column `num_tokens` of its output buffer.
+    """
+    impl = config.attention_impl
+    b = s.last.shape[0]
+    rows = jnp.arange(b)
+    width = s.tokens.shape[1]
+
+    def running(s: LoopState) -> jax.Array:
+        return jnp.any(~s.done) & keep_going(s)
+
+    def step(s: LoopState) -> LoopState:
+        active = ~s.done & (s.step >= s.start)
+        logits, cache = decode_step(model, s.cache.replace(active=active), s.last, impl, layers)
+        token = sample(logits, fold_rows(s.sample_key, s.num_tokens), config.sampling, s.row_ids)
+        column = jnp.where(active, s.num_tokens, width)  # inactive rows: out of range, dropped
+        tokens = s.tokens.at[rows, column].set(token, mode="drop")
+        num_tokens = s.num_tokens + active.astype(jnp.int32)
+        done = s.done | (active & ended(token, num_tokens, s.cap, config))
+        return s.replace(cache=cache, tokens=tokens, last=jnp.where(active, token, s.last), done=done,
+                         num_tokens=num_tokens, step=s.step + 1)
+
+    if not eviction.evicts:
+        return jax.lax.while_loop(running, step, s)
+
+    # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
+    # body thus holds no conditional, which would make XLA copy the cache at every step.
+    def segment(s: LoopState) -> LoopState:
+        # At least one step (the trigger is checked after a step, never right after the prefill or an
+        # eviction), traced once: `first` is true only on entry.
+        def more(c):
+            s, first = c
+            return running(s) & (first | ~framework.should_evict(s.cache, eviction))
+
+        s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
+        due = framework.should_evict(s.cache, eviction)
+        cache = jax.lax.cond(due, lambda c: framework.evict(c, eviction, s.evict_key, s.row_ids, impl),
+                             lambda c: c, s.cache)
+        gap = jnp.where(due, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
+        return s.replace(cache=cache, events=s.events + due.astype(jnp.int32), min_event_gap=gap,
+                         last_event=jnp.where(due, s.step, s.last_event))
+
+    return jax.lax.while_loop(running, segment, s)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
               eviction: EvictionConfig, capacity: int) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
-    sample_key, evict_key = jax.random.split(key)
-    eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
+    sample_key, evict_key = split_keys(key, b)
 
-    impl = config.attention_impl
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl,
-                                framework.slot_state(eviction))
-        first = sample(logits, jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
+        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
+                                config.attention_impl, framework.slot_state(eviction))
+        first = first_tokens(logits, sample_key, row_ids, config)
     # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
     layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
 
+    # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
+    phase = cache.seen[0]
+    start = framework.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
+    ones = jnp.ones((b,), jnp.int32)
     tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos)
-    state0 = LoopState(cache=cache, tokens=tokens, last=first, done=done, num_tokens=jnp.ones((b,), jnp.int32),
-                       step=jnp.int32(1))
+    state0 = LoopState(cache=cache, tokens=tokens, last=first, done=ended(first, ones, caps, config), num_tokens=ones,
+                       cap=caps, start=start, sample_key=sample_key, evict_key=evict_key, row_ids=row_ids,
+                       step=jnp.int32(0), **no_events())
+    final = decode_loop(model, layers, state0, config, eviction, lambda s: jnp.bool_(True))
+    return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=ended_by_token(final, config),
+                          evictions=final.events,
+                          row_evictions=final.cache.evictions, cache_length=final.cache.length,
+                          steps=final.step, cache=final.cache if config.return_cache else None)
 
-    def running(s: LoopState) -> jax.Array:
-        return (s.step < config.max_new_tokens) & ~jnp.all(s.done)
 
-    def step(s: LoopState) -> LoopState:
-        logits, cache = decode_step(model, s.cache, s.last, impl, layers)
-        token = sample(logits, jax.random.fold_in(sample_key, s.step), config.sampling, row_ids)
-        token = jnp.where(s.done, config.pad_id, token)
-        tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
-        return LoopState(cache=cache, tokens=tokens, last=token, done=s.done | jnp.isin(token, eos),
-                         num_tokens=s.num_tokens + (~s.done).astype(jnp.int32), step=s.step + 1)
+def no_events() -> dict[str, jax.Array]:
+    """The event counters of a `LoopState` before any event."""
+    return dict(events=jnp.int32(0), last_event=jnp.int32(-NO_GAP), min_event_gap=jnp.int32(NO_GAP))
 
-    if not eviction.evicts:
-        final = jax.lax.while_loop(running, step, state0)
-    else:
-        # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
-        # body thus holds no conditional, which would make XLA copy the cache at every step.
-        def segment(s: LoopState) -> LoopState:
-            # At least one step (the trigger is checked after a step, never right after the prefill or an
-            # eviction), traced once: `first` is true only on entry.
-            def more(c):
-                s, first = c
-                return running(s) & (first | ~framework.should_evict(s.cache, eviction))
 
-            s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
-            cache = jax.lax.cond(framework.should_evict(s.cache, eviction),
-                                 lambda c: framework.evict(c, eviction, evict_key, row_ids, impl), lambda c: c,
-                                 s.cache)
-            return s.replace(cache=cache)
-
-        final = jax.lax.while_loop(running, segment, state0)
-    return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
-                          evictions=final.cache.evictions, cache_length=final.cache.length,
-                          cache=final.cache if config.return_cache else None)
+def ended_by_token(s: LoopState, config: GenerateConfig) -> jax.Array:
+    """[batch] bool: the row's last token is an end token."""
+    eos = jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)
+    last = jnp.take_along_axis(s.tokens, jnp.maximum(s.num_tokens - 1, 0)[:, None], axis=1)[:, 0]
+    return jnp.isin(last, eos)
 
 
 def query_window(eviction: EvictionConfig) -> int:

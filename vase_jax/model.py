@@ -126,8 +126,8 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
 
     Without a cache, or with a multi-token input (which fills slots [0, seq) of an empty cache), the queries attend
     densely to the input's own keys under `mask` [batch, seq, seq]. A one-token input is written at slot
-    `cache.length - 1` (`start_token` counted it) and attends over slots [0, length); `layer` indexes the stacked
-    cache.
+    `cache.length[b] - 1` of each active row (`start_token` counted it) and attends over the row's live slots;
+    `layer` indexes the stacked cache.
 
     A cache with per-slot state (`cache.state`, declared by the eviction policy) also gets the attention weights
     of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a cache without
@@ -137,14 +137,15 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     b, t = x.shape[:2]
     if cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
-        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, cache.length, attention_impl,
+        # One bound for the batch, the longest row's; each row's slots beyond its own length hold pos -1.
+        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, cache.length.max(), attention_impl,
                                layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
         if cache.state:
             cache = update_state(cache, layer, q[:, :, :, 0])
     elif cache is not None and cache.state:
         cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
         out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
-        cache = prefill_state(cache, layer, probs)
+        cache = prefill_state(cache, layer, probs, mask[:, -1, :])
     else:
         if cache is not None:
             cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
@@ -292,10 +293,10 @@ class Qwen3(nnx.Module):
         """tokens, positions: [batch, seq] int32 -> (float32 logits [batch, seq, vocab], cache).
 
         - `cache=None`: causal attention over `tokens` (left padding masked by `attention_mask` [batch, seq]).
-        - a cache and `seq > 1`: the same, and the keys, values (and the query ring) are written into slots
-          [0, seq) of the empty `cache` (`vase_jax.cache.init_cache`); padding slots get `pos = -1`.
-        - a cache and `seq == 1`: one decode step; each token is written at slot `cache.length` and attends over
-          the cache (`attention_impl` picks the decode kernel).
+        - a cache and `seq > 1`: the same, and the keys, values (and the query ring) of each row's real tokens are
+          written into slots [0, P_b) of the empty `cache` (`vase_jax.cache.init_cache`); padding is dropped.
+        - a cache and `seq == 1`: one decode step; each active row's token is written at slot `cache.length[b]`
+          and attends over the row's live slots (`attention_impl` picks the decode kernel).
         `layers`: the layer weights to run (default: this model's, stacked, scanned; `layer_weights(unstack=True)`
         computed once outside a loop runs them unrolled). `last_logits_only`: logits of the last position only,
         [batch, 1, vocab] (the LM head is the largest matmul of a prefill).

@@ -82,15 +82,30 @@ def filtered_distribution(logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.A
     return probs, None
 
 
+def typed_key(key: jax.Array) -> jax.Array:
+    """A typed PRNG key array (`jax.random.key`) from a typed or a raw uint32 key (array)."""
+    return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+
+
+def fold_rows(key: jax.Array, data: jax.Array) -> jax.Array:
+    """fold_in(key[b], data[b]) for every row: [batch] typed keys. `key` is one key (shared by the rows) or one
+    per row ([batch]), typed or raw; data [batch] int32. A shared key gives bit-for-bit the keys of that key
+    broadcast to every row, so a row's stream depends only on its own key and data."""
+    key = typed_key(key)
+    if key.ndim == 0:
+        return jax.vmap(lambda d: jax.random.fold_in(key, d))(data)
+    return jax.vmap(jax.random.fold_in)(key, data)
+
+
 def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
     """logits: [batch, vocab] -> tokens [batch] int32, drawn from `filtered_distribution` (argmax if greedy).
 
-    Row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the CDF of its filtered distribution, so a
-    row's sample does not depend on the other rows of the batch.
+    Row r draws one uniform from `fold_in(key, row_ids[r])` (`key`: one key, or one per row [batch]) and inverts
+    the CDF of its filtered distribution, so a row's sample does not depend on the other rows of the batch.
     """
     if cfg.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    u = jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row)))(row_ids)  # [batch]
+    u = jax.vmap(jax.random.uniform)(fold_rows(key, row_ids))  # [batch]
     probs, ids = filtered_distribution(logits, cfg)
     idx = _inverse_cdf(probs, u)  # [batch]
     if ids is not None:

@@ -1,21 +1,25 @@
 """The periodic fixed-budget eviction framework (spec section 2), run inside the compiled decode loop.
 
-After each decode step, with `n` the real tokens held by the longest row (the reference's `cur_len`):
+Every row runs the reference's schedule for its own sequence. After each decode step, for each row b that took a
+token, with `n` its own `seen` (the reference's `cur_len`):
 
     if n > N and n % B == 0:                      # N = budget, B = buffer
-        candidates = slots [0, length - B)        # all but the newest B
-        kept       = policy(candidates)           # K = N - B per (row, layer, kv head)
+        candidates = slots [0, length[b] - B)     # all but the newest B
+        kept       = policy(candidates)           # K = N - B per (layer, kv head)
         slots [0, K)  <- candidates[kept]         # in the policy's order (the reference does not sort)
         slots [K, N)  <- the newest B slots
-        length = n = N
+        length[b] = n = N
 
-A policy sees its layer's candidates, the newest B slots (`buffer_keys`, `buffer_values`, `buffer_pos`), the query
-ring (if it declares `needs_queries`) and its per-slot state (`inputs.state`, if it declares any); `run_policy`
-checks the shared preconditions once. Per-slot state arrays move with their slots like `k`, `v` and `pos`.
+One event evicts exactly the rows whose trigger fires; the other rows keep their slots untouched. A policy sees
+its layer's candidates, the newest B slots (`buffer_keys`, `buffer_values`, `buffer_pos`), the query ring (if it
+declares `needs_queries`) and its per-slot state (`inputs.state`, if it declares any); `run_policy` checks the
+shared preconditions once. Per-slot state arrays move with their slots like `k`, `v` and `pos`.
 
-Padding: our cache holds left padding (the reference's does not). Padding slots have `pos = -1`, are invalid
-candidates, and are never kept while a valid candidate is left out, so the first eviction drops them; the trigger
-counts real tokens, so padding does not shift the schedule. Rows of a batch evict on the longest row's schedule.
+Randomness: row b's event key is fold_in(fold_in(evict_key[b], layer), evictions[b]), its own eviction count, so
+a row's kept sets depend only on its own key, row id and sequence. Rows of one batch share the ticks of the
+batch (`vase_jax.generate`: a row starts decoding at a step that puts its trigger phase on them), so a batch runs
+at most one eviction event per B steps. Prompts are stored without padding (`vase_jax.cache`), so a cache of
+max(P, N) + B slots never overflows.
 """
 
 from __future__ import annotations
@@ -28,18 +32,17 @@ from vase_jax.cache import KVCache, layer_of, ordered_queries
 from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs, SlotState
+from vase_jax.sampling import fold_rows, typed_key
 
 CAPACITY_ALIGN = DEFAULT_BLOCK_SIZE
 
 
-def capacity_for(eviction: EvictionConfig, prompt_slots: int, bucket_slack: int, max_new_tokens: int) -> int:
+def capacity_for(eviction: EvictionConfig, prompt_slots: int, max_new_tokens: int) -> int:
     """Static cache capacity, rounded up to a multiple of the attention block (`CAPACITY_ALIGN`).
 
-    `full`: prompt_slots + max_new_tokens. Eviction: max(prompt_slots, budget + bucket_slack) + buffer, where
-    `bucket_slack` is the padding added to reach the prompt bucket: before the first eviction the longest row's
-    real tokens sit behind that padding, so the first trigger (at most `budget + buffer` real tokens, or at most
-    `prompt + buffer` for prompts longer than the budget) needs that many extra slots; afterwards `budget + buffer`
-    slots suffice. Memory does not depend on `max_new_tokens`.
+    `full`: prompt_slots + max_new_tokens. Eviction: max(prompt_slots, budget) + buffer (the reference's
+    `max(P, N) + B`): a row's first trigger comes at most B tokens after max(P, N), and prompts hold no padding
+    slots. Memory does not depend on `max_new_tokens`.
 
     The rounding keeps the attention's blocks aligned the same way whatever the capacity, so a method that never
     evicts (budget above the total length) computes bit-identically to `full`.
@@ -47,20 +50,32 @@ def capacity_for(eviction: EvictionConfig, prompt_slots: int, bucket_slack: int,
     if not eviction.evicts:
         slots = prompt_slots + max_new_tokens
     else:
-        slots = max(prompt_slots, eviction.budget + bucket_slack) + eviction.buffer
+        slots = max(prompt_slots, eviction.budget) + eviction.buffer
     return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
-def trigger(seen, length, capacity, eviction: EvictionConfig):
-    """The reference trigger on `seen` real tokens (`n > N and n % B == 0`), plus a guard that fires only if the
-    cache of `capacity` slots, `length` in use, would otherwise overflow (possible only when every row of the
-    caller's input starts with padding, which shifts real tokens right). Python ints or int32 arrays."""
-    return ((seen > eviction.budget) & (seen % eviction.buffer == 0)) | (length >= capacity)
+def trigger(seen, eviction: EvictionConfig):
+    """The reference trigger on `seen` real tokens: `n > N and n % B == 0`. Python ints or int32 arrays."""
+    return (seen > eviction.budget) & (seen % eviction.buffer == 0)
+
+
+def rows_to_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
+    """[batch] bool: the rows whose trigger fires after this step (rows that took a token at it)."""
+    return cache.active & trigger(cache.seen, eviction)
 
 
 def should_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
-    """`trigger` on the cache's counters: whether an eviction runs after this step."""
-    return trigger(cache.seen, cache.length, cache.capacity, eviction)
+    """Whether an eviction event runs after this step: some row's trigger fires."""
+    return rows_to_evict(cache, eviction).any()
+
+
+def phase_wait(seen, step, eviction: EvictionConfig):
+    """Steps a row holding `seen` tokens waits, when the batch has run `step` steps, before its first decode step,
+    so that its trigger counter and the batch's step count agree modulo B (seen - step = 0 mod B) and it fires
+    only on the batch's ticks (step % B == 0). 0 for `full`. Python ints or int arrays; 0 <= wait < B."""
+    if not eviction.evicts:
+        return seen * 0
+    return (seen - step) % eviction.buffer
 
 
 def _gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -69,13 +84,21 @@ def _gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=2)
 
 
-def _compact(x: jax.Array, kept: jax.Array, length: jax.Array, budget: int, buffer: int) -> jax.Array:
-    """Write the kept candidates to slots [0, K) and the newest `buffer` slots to [K, N)."""
+def _newest(x: jax.Array, length: jax.Array, buffer: int) -> jax.Array:
+    """Each row's slots [length[b] - B, length[b]): x [batch, kv_heads, capacity, ...] -> [batch, kv_heads, B, ...]."""
+    idx = jnp.clip(length[:, None] - buffer + jnp.arange(buffer), 0, x.shape[2] - 1)  # [batch, B]
+    return _gather_slots(x, jnp.broadcast_to(idx[:, None], x.shape[:2] + (buffer,)))
+
+
+def _compacted_slots(kept: jax.Array, length: jax.Array, capacity: int, budget: int, buffer: int) -> jax.Array:
+    """[batch, kv_heads, capacity] source slot of every slot after an eviction: the kept candidates to [0, K),
+    each row's newest `buffer` slots to [K, N), slots >= N unchanged (stale)."""
     k = budget - buffer
-    recent = jax.lax.dynamic_slice_in_dim(x, length - buffer, buffer, axis=2)  # [batch, kv_heads, B, ...]
-    chosen = _gather_slots(x, kept)  # [batch, kv_heads, K, ...]
-    x = jax.lax.dynamic_update_slice_in_dim(x, chosen, 0, axis=2)
-    return jax.lax.dynamic_update_slice_in_dim(x, recent, k, axis=2)
+    slot = jnp.arange(capacity)
+    recent = length[:, None, None] - budget + slot  # slot j in [K, N) <- length - B + (j - K)
+    kept_full = jnp.pad(kept, ((0, 0), (0, 0), (0, capacity - k)))  # [batch, kv_heads, capacity]
+    src = jnp.where(slot < k, kept_full, jnp.where(slot < budget, recent, slot))
+    return jnp.clip(src, 0, capacity - 1)
 
 
 def slot_state(eviction: EvictionConfig) -> tuple[SlotState, ...]:
@@ -103,7 +126,8 @@ def select_layer(
     cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array,
     attention_impl: str = "auto",
 ) -> jax.Array:
-    """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L))."""
+    """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L)); row b's
+    candidates are its slots [0, length[b] - B). `key`, `layer_key`: one key, or one per row [batch]."""
     method = METHODS[eviction.method]
     buffer = eviction.buffer
     num_candidates = cache.capacity - buffer  # static L
@@ -111,10 +135,7 @@ def select_layer(
     keys = layer_of(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
     values = layer_of(cache.v, layer)
     layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
-    pos = jnp.where(slot < cache.length - buffer, layer_pos[:, :, :num_candidates], -1)
-
-    def newest(x: jax.Array) -> jax.Array:  # slots [length - B, length)
-        return jax.lax.dynamic_slice_in_dim(x, cache.length - buffer, buffer, axis=2)
+    pos = jnp.where(slot < (cache.length - buffer)[:, None, None], layer_pos[:, :, :num_candidates], -1)
 
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
@@ -130,9 +151,9 @@ def select_layer(
         pos=pos,
         layer_key=layer_key,
         row_ids=row_ids,
-        buffer_keys=newest(keys),
-        buffer_values=newest(values),
-        buffer_pos=newest(layer_pos),
+        buffer_keys=_newest(keys, cache.length, buffer),
+        buffer_values=_newest(values, cache.length, buffer),
+        buffer_pos=_newest(layer_pos, cache.length, buffer),
         state={s.name: layer_of(cache.state[s.name], layer)[:, :, :num_candidates] for s in method.state},
         attention_impl=attention_impl,
     )
@@ -140,29 +161,42 @@ def select_layer(
 
 
 def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
-          attention_impl: str = "auto") -> KVCache:
-    """One eviction event over every layer. `key` is the generate call's eviction key; `attention_impl` picks the
-    scoring kernels (`GenerateConfig.attention_impl`).
+          attention_impl: str = "auto", rows: jax.Array | None = None) -> KVCache:
+    """One eviction event over every layer, for the `rows` [batch] bool (default: `rows_to_evict`); the other
+    rows are left untouched. `key`: the eviction key, one for the batch or one per row [batch];
+    `attention_impl` picks the scoring kernels (`GenerateConfig.attention_impl`).
 
     A `fori_loop` over layers with the stacked cache in its carry: each iteration reads one layer, selects,
     compacts it and writes it back in place, so the event holds one layer's candidates and scores at a time.
     """
     budget, buffer = eviction.budget, eviction.buffer
+    rows = rows_to_evict(cache, eviction) if rows is None else rows
     stale = jnp.arange(cache.capacity) >= budget  # slots >= N hold nothing after the event
+    key = typed_key(key)
+    per_row = key if key.ndim == 1 else None
+    b = cache.length.shape[0]
 
     def one_layer(layer, c: KVCache) -> KVCache:
-        layer_key = jax.random.fold_in(key, layer)
-        event_key = jax.random.fold_in(layer_key, c.evictions)
+        if per_row is None:
+            layer_key = jax.random.fold_in(key, layer)
+            event_key = fold_rows(jnp.broadcast_to(layer_key, (b,)), c.evictions)  # [batch]
+        else:
+            layer_key = fold_rows(per_row, jnp.full((b,), layer, jnp.int32))
+            event_key = fold_rows(layer_key, c.evictions)
         kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids, attention_impl)
+        src = _compacted_slots(kept, c.length, c.capacity, budget, buffer)  # [batch, kv_heads, capacity]
 
         def update(x: jax.Array, fill=None) -> jax.Array:
-            new = _compact(layer_of(x, layer), kept, c.length, budget, buffer)
+            old = layer_of(x, layer)
+            new = _gather_slots(old, src)
             if fill is not None:
                 new = jnp.where(stale, fill, new)
+            new = jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
             return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
 
         state = {name: update(x, 0.0) for name, x in c.state.items()}
         return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
 
     cache = jax.lax.fori_loop(0, cache.num_layers, one_layer, cache)
-    return cache.replace(length=jnp.int32(budget), seen=jnp.int32(budget), evictions=cache.evictions + 1)
+    return cache.replace(length=jnp.where(rows, budget, cache.length), seen=jnp.where(rows, budget, cache.seen),
+                         evictions=cache.evictions + rows.astype(jnp.int32))

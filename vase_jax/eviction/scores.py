@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from vase_jax.eviction.window_score import window_score
+from vase_jax.sampling import fold_rows
 
 MAGNITUDES = ("range", "l2", "var")
 
@@ -178,12 +179,13 @@ def rkv_official_importance(
 
 # ---- CUR leverage ------------------------------------------------------------------------------------------
 def gaussian_projection(key: jax.Array, row_ids: jax.Array, head_dim: int, rank: int) -> jax.Array:
-    """G[b] ~ N(0, 1)/sqrt(rank): [batch, head_dim, rank] float32, row b from fold_in(key, row_ids[b])."""
+    """G[b] ~ N(0, 1)/sqrt(rank): [batch, head_dim, rank] float32, row b from fold_in(key, row_ids[b]) (`key`: one
+    key or one per row, `row_keys`)."""
 
-    def one(rid):
-        return jax.random.normal(jax.random.fold_in(key, rid), (head_dim, rank), _F32)
+    def one(k):
+        return jax.random.normal(k, (head_dim, rank), _F32)
 
-    return jax.vmap(one)(row_ids) / jnp.sqrt(jnp.asarray(rank, _F32))
+    return jax.vmap(one)(row_keys(key, row_ids)) / jnp.sqrt(jnp.asarray(rank, _F32))
 
 
 def cur_leverage(keys: jax.Array, values: jax.Array, projection: jax.Array, valid: jax.Array) -> jax.Array:
@@ -264,8 +266,9 @@ def sink_mask(pos: jax.Array, sink_slots: int) -> jax.Array:
 
 # ---- randomness --------------------------------------------------------------------------------------------
 def row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
-    """One PRNG key per row: fold_in(key, row_ids[b]). [b] keys."""
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+    """One PRNG key per row: fold_in(key, row_ids[b]), or fold_in(key[b], row_ids[b]) when the framework passes
+    one key per row (rows of different samples). [b] keys."""
+    return fold_rows(key, row_ids)
 
 
 def position_gumbel(key: jax.Array, row_ids: jax.Array, pos: jax.Array) -> jax.Array:
