@@ -105,6 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--compare-hf", action="store_true", help="also time transformers generate on the same weights")
     a("--hf-caches", default="dynamic,static", help="HF cache implementations: dynamic, static")
     a("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
+    a("--spread-samples", type=int, default=0,
+      help="> 0: instead of the runs above, the spread workload: this many samples whose output lengths are "
+           "drawn uniformly from [L/16, L] (L = the first --output-lens), on --batch rows, static (generate per "
+           "chunk of --batch samples) vs continuous (vase_jax.batching): tokens/s, row utilization, evictions")
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")
@@ -113,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     """Every check that needs no model (ValueError naming the parameter); returns the configurations."""
+    if args.spread_samples < 0:
+        raise ValueError(f"--spread-samples={args.spread_samples} must be >= 0")
     for name in ("batch", "prompt_len", "micro_steps", "bandwidth_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -542,6 +548,92 @@ def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], 
 
 
 # ---- main --------------------------------------------------------------------------------------------------
+# ---- the spread workload: static vs continuous batching ------------------------------------------------------
+def spread_caps(samples: int, longest: int, seed: int) -> np.ndarray:
+    """Output lengths drawn uniformly from [L/16, L] (integers), one per sample."""
+    return np.random.default_rng(seed).integers(max(2, longest // 16), longest + 1, samples).astype(np.int32)
+
+
+def run_static(model, prompts, keys, caps, rows: int, config, ev) -> dict:
+    """Chunks of `rows` samples, one `generate` call each (the last chunk padded with copies of its last sample,
+    discarded): tokens, decode steps, eviction events, and the useful share of the row-steps."""
+    useful = steps = events = tokens = 0
+    for start in range(0, len(prompts), rows):
+        idx = list(range(start, min(start + rows, len(prompts))))
+        idx += [idx[-1]] * (rows - len(idx))
+        ids = np.stack([prompts[i] for i in idx])
+        out = vj.generate(model, ids, np.ones_like(ids), key=jnp.stack([keys[i] for i in idx]), config=config,
+                          eviction=ev, row_ids=jnp.zeros((rows,), jnp.int32), max_new_tokens=caps[idx])
+        n, s, e = jax.device_get((out.num_tokens, out.steps, out.evictions))
+        real = len(set(idx))
+        tokens += int(n[:real].sum())
+        useful += int(n[:real].sum()) - real  # decode steps of real samples (token 0 is the prefill's)
+        steps, events = steps + int(s), events + int(e)
+    return {"tokens": tokens, "steps": steps, "events": events, "utilization": useful / max(rows * steps, 1)}
+
+
+def run_continuous(model, prompts, keys, caps, rows: int, config, ev) -> dict:
+    from vase_jax import batching
+
+    reqs = [batching.Request(tuple(int(x) for x in p), k, 0, int(c)) for p, k, c in zip(prompts, keys, caps,
+                                                                                         strict=True)]
+    stats = batching.EngineStats()
+    results = batching.run(model, reqs, rows=rows, config=config, eviction=ev, stats=stats)
+    return {"tokens": sum(len(r.tokens) for r in results), "steps": stats.steps, "events": stats.events,
+            "utilization": stats.utilization, "segments": stats.segments}
+
+
+def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """Static vs continuous batching on the spread workload, per method: results.json / results.md in --out."""
+    longest = args.output_lens[0]
+    caps = spread_caps(args.spread_samples, longest, args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [rng.integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32) for _ in caps]
+    keys = [jax.random.fold_in(jax.random.key(args.seed), i) for i in range(len(caps))]
+    config = vj.GenerateConfig(max_new_tokens=longest, eos_token_ids=(), attention_impl=args.attention_impl,
+                               layer_loop=args.layer_loop)
+    runs = []
+    for ev in configs:
+        row = {"engine": "vase_jax", "method": ev.method, "budget": ev.budget if ev.evicts else None}
+        for name, fn in (("static", run_static), ("continuous", run_continuous)):
+            k = min(args.batch, len(caps))  # compile first (untimed), on the first chunk
+            fn(model, prompts[:k], keys[:k], caps[:k], args.batch, config, ev)
+            start = time.perf_counter()
+            r = fn(model, prompts, keys, caps, args.batch, config, ev)
+            r["seconds"] = time.perf_counter() - start
+            r["tok_s"] = r["tokens"] / r["seconds"]
+            r["events_per_1k_tokens"] = 1e3 * r["events"] / r["tokens"]
+            row[name] = r
+        row["speedup"] = row["continuous"]["tok_s"] / row["static"]["tok_s"]
+        runs.append(row)
+        s, c = row["static"], row["continuous"]
+        print(f"{label(row):>20} static {s['tok_s']:.1f} tok/s (util {s['utilization']:.2f}, {s['events']} events)"
+              f" | continuous {c['tok_s']:.1f} tok/s (util {c['utilization']:.2f}, {c['events']} events) | "
+              f"{row['speedup']:.2f}x", flush=True)
+    result = {"meta": {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
+                       "batch": args.batch, "prompt_len": args.prompt_len, "longest": longest,
+                       "samples": len(caps), "mean_output": float(caps.mean()), "cpu_model": vb.cpu_model(),
+                       "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+                       "load_start": [round(x, 2) for x in load_start],
+                       "load_end": [round(x, 2) for x in os.getloadavg()]},
+              "spread": runs}
+    lines = ["| method | static tok/s | static util | continuous tok/s | continuous util | speed-up | "
+             "events/1k tok static | continuous |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s, c = r["static"], r["continuous"]
+        lines.append(f"| {label(r)} | {s['tok_s']:.1f} | {s['utilization']:.2f} | {c['tok_s']:.1f} | "
+                     f"{c['utilization']:.2f} | {r['speedup']:.2f}x | {s['events_per_1k_tokens']:.2f} | "
+                     f"{c['events_per_1k_tokens']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        (out / "results.md").write_text(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -563,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{resolve_layer_loop(args.layer_loop)}", flush=True)
     if args.compile_only:
         return compile_report(args, model, model_desc, configs, load_start)
+    if args.spread_samples:
+        return spread_report(args, model, model_desc, configs, load_start)
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
     ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
     bench = Bench(args, model, ids, mask)

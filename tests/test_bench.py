@@ -172,3 +172,22 @@ def test_stat_and_decode_rate():
     rate = vb.decode_rate(vb.Stat.of([1.5, 2.0, 3.0]), vb.Stat.of([0.5, 0.5, 0.6]), 100)
     assert rate.runs == (100.0, 100 / 1.5, 40.0) and rate.min == 40.0 and rate.max == 100.0
     assert vb.decode_rate(vb.Stat.of([0.4, 2.0, 3.0]), vb.Stat.of([0.5] * 3), 100) is None
+
+
+def test_spread_workload_static_vs_continuous(tmp_path):
+    """--spread-samples: the same tokens under both schedulers (every sample runs to its drawn length), row
+    utilization in (0, 1], events counted. No timing assertions."""
+    args = ["--model", "tiny", "--batch", "3", "--prompt-len", "16", "--output-lens", "48", "--methods",
+            "full,vase_dkv", "--budgets", "16", "--buffer", "8", "--spread-samples", "7", "--out", str(tmp_path)]
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    lengths = np.random.default_rng(0).integers(3, 49, 7)  # spread_caps(7, 48, seed 0): uniform over [L/16, L]
+    assert [r["method"] for r in result["spread"]] == ["full", "vase_dkv"]
+    for r in result["spread"]:
+        s, c = r["static"], r["continuous"]
+        assert s["tokens"] == c["tokens"] == int(lengths.sum())
+        assert 0 < s["utilization"] <= 1 and 0 < c["utilization"] <= 1
+        assert s["tok_s"] > 0 and c["tok_s"] > 0 and r["speedup"] > 0
+        assert (s["events"] > 0 and c["events"] > 0) == (r["method"] == "vase_dkv")
+    assert (tmp_path / "results.md").read_text().startswith("| method |")
