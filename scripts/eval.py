@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="default 0.6")
     p.add_argument("--top-p", type=float, help="default 0.95")
     p.add_argument("--top-k", type=int, help="default 0 (off)")
-    p.add_argument("--batch-size", type=int, help="rows per generate call, all of one problem (default: R)")
+    p.add_argument("--batch-size", type=int, help="rows of the batch (default: R); continuous: samples of any "
+                   "problem; static: rows per generate call, all of one problem")
+    p.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
+                   help="continuous (default): a row takes the next sample as soon as its sample ends; static: "
+                   "one generate call per chunk of a problem's samples. Same tokens either way")
     p.add_argument("--limit", type=int, help="first N problems (default: all; gsm8k: 500)")
     p.add_argument("--seed", type=int, help="default 0")
     p.add_argument("--out", help="output folder (default: runs/<task>/<model name>)")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
-            tests_dir=args.tests_dir,
+            tests_dir=args.tests_dir, scheduler=args.scheduler,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():

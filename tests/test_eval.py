@@ -180,6 +180,24 @@ def test_kill_and_resume_matches_uninterrupted_run(work, full_run):
     assert _result_numbers(got) == _result_numbers(want)
 
 
+@pytest.mark.parametrize("scheduler, batch_size", [("static", "2"), ("continuous", "3")])
+def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, scheduler, batch_size):
+    """The reference run is continuous on 2 rows (problems mixed); the static scheduler (a problem's samples per
+    generate call) and 3 continuous rows give every sample the same tokens, text, grade and eviction count."""
+    out = work["root"] / f"run_{scheduler}_{batch_size}"
+    args = _args(work, out)
+    args[args.index("--batch-size") + 1] = batch_size
+    res = _run(work, [*args, "--scheduler", scheduler])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = _by_key(_records(full_run[0]))
+    records = _by_key(_records(out))
+    assert set(records) == set(ref)
+    fields = ("tokens", "answer", "correct", "finished", "text", "prompt_tokens", "evictions", "max_tokens")
+    for key, rec in records.items():
+        assert {f: rec[f] for f in fields} == {f: ref[key][f] for f in fields}, key
+    assert json.loads((out / "config.json").read_text())["scheduler"] == scheduler
+
+
 def test_random_model_smoke_run(work, full_run):
     """The README's offline smoke run (--random-model tiny: a random model built in memory) works. Same shapes
     and caps as the runs above (so no new compile), packaged data replaced by the 3 short problems."""
@@ -222,6 +240,7 @@ BAD_CASES = {
     "budget not int": (BASE + ["--budgets", "512,abc"], "--budgets"),
     "zero samples": (BASE + ["--samples", "0"], "--samples=0 must be an integer >= 1"),
     "bad top-p": (BASE + ["--top-p", "1.5"], "top_p=1.5"),
+    "zero batch size": (BASE + ["--batch-size", "0"], "--batch-size=0 must be an integer >= 1"),
 }
 
 

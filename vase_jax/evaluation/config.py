@@ -22,6 +22,7 @@ from vase_jax.tasks import Problem, Task, get_task, load_problems
 
 RANDOM_PREFIX = "random:"
 DTYPES = ("bfloat16", "float32")
+SCHEDULERS = ("continuous", "static")
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
                  "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype")
 FORMAT = 1  # bump when the records' meaning changes
@@ -46,11 +47,12 @@ class EvalConfig:
     temperature: float
     top_p: float
     top_k: int
-    batch_size: int  # rows per generate call (samples of one problem)
+    batch_size: int  # rows of the batch (continuous) or per generate call (static: samples of one problem)
     limit: int | None
     seed: int
     dtype: str
     save_text: bool = False
+    scheduler: str = "continuous"  # "continuous" or "static"; the tokens are the same under both
     format: int = FORMAT
 
     @property
@@ -158,7 +160,7 @@ def resolve(
     temperature: float | None = None,
     top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
-    tests_dir: str | None = None,
+    tests_dir: str | None = None, scheduler: str = "continuous",
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -176,6 +178,8 @@ def resolve(
     budgets = tuple(dict.fromkeys(budgets)) if budgets else (t.budget,)
     for b in budgets:
         _positive("budgets", b)
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"--scheduler={scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
     _positive("buffer", buffer)
@@ -208,7 +212,7 @@ def resolve(
         temperature=t.temperature if temperature is None else float(temperature),
         top_p=t.top_p if top_p is None else float(top_p), top_k=t.top_k if top_k is None else top_k,
         batch_size=batch_size or samples, limit=t.num_problems if limit is None else limit,
-        seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text,
+        seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text, scheduler=scheduler,
     )
     try:
         cfg.generate_config(cfg.max_new_tokens or 1).validate()

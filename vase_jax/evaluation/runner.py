@@ -5,10 +5,13 @@ bits of sha256("task/id"), and sample s is row stream `row_ids = s` of `generate
 on (seed, task, problem id, sample index, method, budget) and the settings, not on batch order or on which
 samples were already done. All methods of a problem share its key (common random numbers for comparisons).
 
-Batches. The R samples of a problem run as rows of one batch of the same prompt (as in the reference); with
-`batch_size < R`, as chunks of `batch_size` rows, the last chunk padded with copies of its last row
-(discarded) so that every call has the same shape. A chunk runs if any of its samples lacks a record; only
-the missing ones are written. Compiles: one per (prompt bucket, method, budget).
+Schedulers. "continuous" (default, `vase_jax.evaluation.continuous`): `batch_size` rows, each refilled with
+the next missing sample (of any problem) as soon as its sample ends. "static": the R samples of a problem run as
+rows of one batch of the same prompt (as in the reference); with `batch_size < R`, as chunks of `batch_size`
+rows, the last chunk padded with copies of its last row (discarded) so that every call has the same shape. A
+chunk runs if any of its samples lacks a record; only the missing ones are written. Compiles: one per (prompt
+bucket, method, budget). A sample's tokens are the same under both (each row is its own sequence,
+`vase_jax.generate`).
 
 Code tasks (livecodebench) are graded by running each sample's code on the problem's tests in
 `vase_jax.sandbox` (tests in parallel on the CPU cores); the record's `reason` says why a sample failed.
@@ -89,50 +92,67 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
     import vase_jax as vj
 
     prompt_len = int(prompt.lengths[0])
-    gen_tokens, cap = cfg.token_limits(prompt_len)
+    gen_tokens, cap = cfg.token_limits(prompt_len)  # the bucket's program, the prompt's exact cap
     row_ids = np.array(chunk.samples + (chunk.samples[-1],) * (cfg.rows - len(chunk.samples)), np.int32)
     ids = np.repeat(prompt.input_ids, cfg.rows, axis=0)  # [rows, prompt]
     mask = np.repeat(prompt.attention_mask, cfg.rows, axis=0)  # [rows, prompt]
     key = problem_key(cfg.seed, cfg.task, chunk.problem.id)
     t0 = time.perf_counter()
     out = vj.generate(model, ids, mask, key=key, config=cfg.generate_config(gen_tokens),
-                      eviction=cfg.eviction(chunk.method, chunk.budget), row_ids=jnp.asarray(row_ids))
+                      eviction=cfg.eviction(chunk.method, chunk.budget), row_ids=jnp.asarray(row_ids),
+                      max_new_tokens=np.full((cfg.rows,), cap, np.int32))  # rows stop at the exact cap
     tokens, num, finished, evictions = jax.device_get(
-        (out.tokens, out.num_tokens, out.finished, out.evictions))  # [rows, gen_tokens], [rows], [rows], []
+        (out.tokens, out.num_tokens, out.finished, out.row_evictions))  # [rows, gen_tokens], [rows] x 3
     seconds = time.perf_counter() - t0
-    task = get_task(cfg.task)
     records = []
     for r, sample in enumerate(chunk.samples):
-        n = int(num[r])
-        done = bool(finished[r]) and n <= cap  # an end token beyond the exact cap does not count
-        n = min(n, cap)
-        text = tokenizer.decode(tokens[r, :n].tolist(), skip_special_tokens=True)
-        if task.grader == "code":  # run the code on the tests in the sandbox; keep the verdict's reason
-            verdict = livecodebench.grade(chunk.problem, text)
-            correct, why = verdict.passed, {"reason": verdict.reason}
-        else:
-            correct, why = bool(grade(text, chunk.problem)), {}
-        rec = {
-            "task": cfg.task, "problem_id": chunk.problem.id, "sample": sample, "method": chunk.method,
-            "budget": chunk.budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
-            "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
-            "gold": chunk.problem.answer, "correct": correct, **why,
-            "evictions": int(evictions), "seconds": round(seconds / len(chunk.samples), 4),
-        }
-        if cfg.save_text:
-            rec["text"] = text
-        records.append(rec)
+        records.append(make_record(tokenizer, cfg, chunk.problem, sample, chunk.method, chunk.budget, prompt_len,
+                                   tokens[r, : int(num[r])], bool(finished[r]), int(evictions[r]),
+                                   seconds / len(chunk.samples)))
     return records
+
+
+def make_record(tokenizer, cfg: EvalConfig, problem: Problem, sample: int, method: str, budget: int | None,
+                prompt_len: int, tokens: np.ndarray, ended_by_token: bool, evictions: int, seconds: float) -> dict:
+    """Cut a sample's tokens at its exact cap, grade them: its record (the same under every scheduler)."""
+    task = get_task(cfg.task)
+    cap = cfg.token_limits(prompt_len)[1]
+    n = len(tokens)
+    done = ended_by_token and n <= cap  # an end token beyond the exact cap does not count
+    n = min(n, cap)
+    text = tokenizer.decode(np.asarray(tokens[:n]).tolist(), skip_special_tokens=True)
+    if task.grader == "code":  # run the code on the tests in the sandbox; keep the verdict's reason
+        verdict = livecodebench.grade(problem, text)
+        correct, why = verdict.passed, {"reason": verdict.reason}
+    else:
+        correct, why = bool(grade(text, problem)), {}
+    rec = {
+        "task": cfg.task, "problem_id": problem.id, "sample": sample, "method": method,
+        "budget": budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
+        "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
+        "gold": problem.answer, "correct": correct, **why,
+        "evictions": evictions, "seconds": round(seconds, 4),
+    }
+    if cfg.save_text:
+        rec["text"] = text
+    return rec
 
 
 def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: RecordStore,
         progress: Callable[[list[dict], str | None], None] | None = None) -> int:
-    """Run every chunk of `plan` that lacks a record, appending its records to `store` as soon as it ends.
+    """Generate every wanted sample that lacks a record, appending each record to `store` as soon as it exists.
 
-    `progress(new_records, problem_id or None)` is called after each chunk, with the problem's id when it was
-    the problem's last chunk. Returns the samples generated.
+    `cfg.scheduler`: "continuous" (`vase_jax.evaluation.continuous`: rows refilled as samples end, problems
+    mixed) or "static" (every chunk of `plan` as one `generate` call). `progress(new_records, problem_id or
+    None)` is called after each chunk or record, with the problem's id when the problem has no sample left to
+    run. Returns the samples generated.
     """
     import vase_jax as vj
+
+    if cfg.scheduler == "continuous":
+        from vase_jax.evaluation.continuous import run_continuous
+
+        return run_continuous(model, tokenizer, cfg, problems, store, progress)
 
     task = get_task(cfg.task)
     encoded: dict[str, vj.PromptBatch] = {}
