@@ -16,6 +16,14 @@ drives the eviction trigger and is not shifted by padding), `time` (tokens writt
 
 Writes are `dynamic_update_slice`s into the stacked arrays at a (possibly traced) layer index: in place inside
 a loop, whether the layers are scanned or unrolled.
+
+Storage: on CPU a 16-bit float cache (`k`, `v`, `queries`) is stored as its bits, uint16 (`bits=True`; `dtype`
+keeps the float dtype). XLA:CPU has no bfloat16 dynamic-update-slice: it converts the whole operand to float32
+and back around each write, so a bf16 decode step would rewrite every stacked cache array once per layer (in a
+microbenchmark of a [4, 4, 8, 2048, 128] stack: 62 ms per step of four one-token writes in bf16, 0.4 ms in
+uint16). Reads go through `layer_keys` / `layer_values` / `ordered_queries` (one layer, bitcast back), the decode
+kernels read the bits directly (`pallas_kernels.decode_attention.stored_as`), and `as_floats` gives the cache in
+its float dtype. Other backends store floats.
 """
 
 from __future__ import annotations
@@ -56,10 +64,16 @@ def _is_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def update_slice(x: jax.Array, update: jax.Array, starts: tuple) -> jax.Array:
-    """`lax.dynamic_update_slice(x, update, starts)`, in place. (XLA:CPU rewrites all of a bf16 array at such an
-    update; a uint16 view did not help: the view itself is then materialized. docs/BENCHMARKS.md, bf16.)"""
-    return jax.lax.dynamic_update_slice(x, update.astype(x.dtype), starts)
+def stores_bits(dtype) -> bool:
+    """The default storage of a cache of float `dtype` on this backend: bits (uint16) for 16-bit floats on CPU."""
+    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
+
+
+def update_slice(x: jax.Array, update: jax.Array, starts: tuple, dtype=None) -> jax.Array:
+    """`lax.dynamic_update_slice(x, update, starts)`, in place; `update` is cast to `dtype` (default x's) and, when
+    x holds bits (uint16), stored as its bits."""
+    update = update.astype(x.dtype if dtype is None else dtype)
+    return jax.lax.dynamic_update_slice(x, as_bits(update) if x.dtype == jnp.uint16 else update, starts)
 
 
 def layer_of(x: jax.Array, layer) -> jax.Array:
@@ -81,6 +95,7 @@ class KVCache:
     evictions: jax.Array  # int32 scalar
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
+    dtype: Any = struct.field(pytree_node=False, default=None)  # float dtype of k, v, queries (None: k's dtype)
 
     @property
     def capacity(self) -> int:
@@ -94,6 +109,25 @@ class KVCache:
     def num_layers(self) -> int:
         return self.k.shape[0]
 
+    @property
+    def float_dtype(self):
+        """The float dtype of `k`, `v` and `queries` (which may be stored as its bits)."""
+        return self.k.dtype if self.dtype is None else jnp.dtype(self.dtype)
+
+    def layer_keys(self, layer) -> jax.Array:
+        """Keys of one layer in the float dtype: [batch, kv_heads, capacity, head_dim]."""
+        return from_bits(layer_of(self.k, layer), self.float_dtype)
+
+    def layer_values(self, layer) -> jax.Array:
+        """Values of one layer in the float dtype: [batch, kv_heads, capacity, head_dim]."""
+        return from_bits(layer_of(self.v, layer), self.float_dtype)
+
+    def as_floats(self) -> KVCache:
+        """The same cache with `k`, `v` and `queries` in the float dtype (a copy when they are stored as bits)."""
+        dtype = self.float_dtype
+        return self.replace(k=from_bits(self.k, dtype), v=from_bits(self.v, dtype),
+                            queries=from_bits(self.queries, dtype))
+
 
 def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> dict[str, tuple[int, ...]]:
     """Shape of every cache array, from `CACHE_AXES` and the sizes of `cfg`."""
@@ -101,17 +135,24 @@ def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> di
     return {name: tuple(sizes[a] for a in axes) for name, axes in CACHE_AXES.items()}
 
 
-def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = ()) -> KVCache:
+def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = (),
+               bits: bool | None = None) -> KVCache:
     """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring; `state`: the
-    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]."""
+    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]. `bits`: store the 16-bit
+    float `dtype` as uint16 bits (default `stores_bits(dtype)`: on CPU)."""
     shapes = cache_shapes(cfg, batch, capacity, window)
+    bits = stores_bits(dtype) if bits is None else bits
+    if bits and jnp.dtype(dtype).itemsize != 2:
+        raise ValueError(f"init_cache: bits=True needs a 16-bit float dtype, got {jnp.dtype(dtype)}")
+    stored = jnp.uint16 if bits else dtype  # zero bits are +0.0
     return KVCache(
         state={spec.name: jnp.zeros(shapes["pos"], jnp.float32) for spec in state},
         state_specs=tuple(state),
-        k=jnp.zeros(shapes["k"], dtype),
-        v=jnp.zeros(shapes["v"], dtype),
+        dtype=jnp.dtype(dtype),
+        k=jnp.zeros(shapes["k"], stored),
+        v=jnp.zeros(shapes["v"], stored),
         pos=jnp.full(shapes["pos"], -1, jnp.int32),
-        queries=jnp.zeros(shapes["queries"], dtype),
+        queries=jnp.zeros(shapes["queries"], stored),
         query_valid=jnp.zeros(shapes["query_valid"], bool),
         row_pos=jnp.zeros(shapes["row_pos"], jnp.int32),
         length=jnp.int32(0),
@@ -141,16 +182,17 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
     t = k.shape[2]
+    dtype = cache.float_dtype
     new = cache.replace(
-        k=update_slice(cache.k, k[None], (layer, 0, 0, 0, 0)),
-        v=update_slice(cache.v, v[None], (layer, 0, 0, 0, 0)),
+        k=update_slice(cache.k, k[None], (layer, 0, 0, 0, 0), dtype),
+        v=update_slice(cache.v, v[None], (layer, 0, 0, 0, 0), dtype),
     )
     if cache.window:
         t_r = _ring_times(t, cache.window)
         valid = _prompt_ring_valid(token_mask, cache.window)  # [batch, window]
         ring = jnp.take(q, jnp.clip(t_r, 0, t - 1), axis=3)  # [batch, kv_heads, group, window, head_dim]
         ring = jnp.where(valid[:, None, None, :, None], ring, 0)
-        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
+        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0), dtype))
     return new
 
 
@@ -172,13 +214,14 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     k, v: [batch, kv_heads, 1, head_dim]; q: [batch, kv_heads, group, 1, head_dim] (into the query ring, if any).
     """
     slot = cache.length - 1  # `start_token` counted the token already
+    dtype = cache.float_dtype
     new = cache.replace(
-        k=update_slice(cache.k, k[None], (layer, 0, 0, slot, 0)),
-        v=update_slice(cache.v, v[None], (layer, 0, 0, slot, 0)),
+        k=update_slice(cache.k, k[None], (layer, 0, 0, slot, 0), dtype),
+        v=update_slice(cache.v, v[None], (layer, 0, 0, slot, 0), dtype),
     )
     if cache.window:
         ring_slot = (cache.time - 1) % cache.window
-        new = new.replace(queries=update_slice(cache.queries, q[None], (layer, 0, 0, 0, ring_slot, 0)))
+        new = new.replace(queries=update_slice(cache.queries, q[None], (layer, 0, 0, 0, ring_slot, 0), dtype))
     return new
 
 
@@ -200,7 +243,7 @@ def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     """The ring of `layer` rolled so the oldest query comes first: ([b, kv_heads, group, window, d], [b, window])."""
     w = cache.window
     order = (cache.time + jnp.arange(w)) % w  # oldest ring slot first
-    ring = layer_of(cache.queries, layer)
+    ring = from_bits(layer_of(cache.queries, layer), cache.float_dtype)
     return jnp.take(ring, order, axis=3), jnp.take(cache.query_valid, order, axis=1)
 
 
@@ -227,7 +270,7 @@ def decode_slot_weights(q: jax.Array, k: jax.Array, pos: jax.Array, length: jax.
 def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     """After a decode step's write (`write_token`): state <- spec.update(state, w) for every per-slot state array
     of `layer`, w = `decode_slot_weights` of the query q [batch, kv_heads, group, head_dim]."""
-    k = layer_of(cache.k, layer)
+    k = cache.layer_keys(layer)
     pos = layer_of(cache.pos, layer)
     w = decode_slot_weights(q, k, pos, cache.length)  # [b, h, capacity]
     return _apply_state(cache, layer, w, 0)

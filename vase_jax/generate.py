@@ -249,7 +249,7 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
         final = jax.lax.while_loop(running, segment, state0)
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=final.done,
                           evictions=final.cache.evictions, cache_length=final.cache.length,
-                          cache=final.cache if config.return_cache else None)
+                          cache=final.cache.as_floats() if config.return_cache else None)
 
 
 def query_window(eviction: EvictionConfig) -> int:
