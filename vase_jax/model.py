@@ -201,12 +201,15 @@ def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
                 carry = body(carry, w, i)
         return carry
     num_layers = next(iter(layers.values())).shape[0]
+    dtypes = {name: x.dtype for name, x in layers.items()}
 
     def step(c, xs):
         w, i = xs
-        return body(c, w, i), None
+        return body(c, {name: from_bits(x, dtypes[name]) for name, x in w.items()}, i), None
 
-    return jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
+    # scanned over the `as_bits` view: XLA:CPU would convert each whole bf16 stack to float32 to slice it
+    bits = {name: as_bits(x) for name, x in layers.items()}
+    return jax.lax.scan(step, carry, (bits, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
 
 
 def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
