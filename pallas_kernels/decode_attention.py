@@ -68,8 +68,9 @@ def _check_args(q, k, v, pos, length, block_size: int, block_mask, layer=None) -
         raise ValueError(f"pos has dtype {pos.dtype}; expected an integer dtype (int32)")
     if jnp.ndim(length) != 0:
         raise ValueError(f"length has shape {jnp.shape(length)}; expected a scalar")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype")
+    if k.dtype != v.dtype or not (k.dtype == q.dtype or holds_bits_of(k.dtype, q.dtype)):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype (k and v "
+                         f"may also hold the bits of a 16-bit q dtype as uint16)")
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
     if block_mask is not None:
@@ -81,6 +82,20 @@ def _check_args(q, k, v, pos, length, block_size: int, block_mask, layer=None) -
             )
         if block_mask.dtype != jnp.bool_:
             raise ValueError(f"block_mask has dtype {block_mask.dtype}; expected bool")
+
+
+def holds_bits_of(stored, dtype) -> bool:
+    """Whether arrays of dtype `stored` hold the bits of a 16-bit float `dtype` (uint16 for bfloat16 / float16).
+
+    vase_jax keeps 16-bit caches as such bits on CPU, where XLA has no bfloat16 dynamic-update-slice (every write
+    would convert the whole cache); every decode implementation reads them back with `stored_as`."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(stored) == jnp.uint16 and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def stored_as(x: jax.Array, dtype) -> jax.Array:
+    """`x` read as `dtype`: the identity, or a same-width bitcast when x holds `dtype`'s bits (`holds_bits_of`)."""
+    return x if x.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(x, dtype)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -133,8 +148,9 @@ def _decode_kernel(
             live = live & (block_mask_ref[i] != 0)
         block = pl.ds(i * block_size, block_size)
         # one indexer per load (the Triton lowering takes no chained `.at`): layer, slots, head_dim
-        k = plgpu.load(k_ref.at[layer, block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
-        v = plgpu.load(v_ref.at[layer, block, :], mask=live[:, None], other=0.0)  # [block, head_dim]
+        k = plgpu.load(k_ref.at[layer, block, :], mask=live[:, None], other=0)  # [block, head_dim]
+        v = plgpu.load(v_ref.at[layer, block, :], mask=live[:, None], other=0)  # [block, head_dim]
+        k, v = stored_as(k, q.dtype), stored_as(v, q.dtype)  # a cache kept as bits (`holds_bits_of`)
         p_slot = plgpu.load(pos_ref.at[layer, block], mask=live, other=-1)  # [block]
         valid = live & (p_slot >= 0)
         s = lax.dot_general(
@@ -253,7 +269,8 @@ def decode_attention(
 
     Args:
       q: [batch, kv_heads, group, head_dim], one query token per row, the GQA group of each kv head.
-      k, v: [batch, kv_heads, capacity, head_dim], same dtype as q (bfloat16 or float32).
+      k, v: [batch, kv_heads, capacity, head_dim], same dtype as q (bfloat16 or float32), or for a 16-bit q
+        its bits as uint16 (`holds_bits_of`).
       pos: [batch, kv_heads, capacity] int32, -1 marks an empty slot.
       length: int32 scalar, slots in use (shared by all rows); slots >= length are never read.
       block_size: slots per step of the loop; a power of two >= 16. Also the granularity of `block_mask`.
@@ -323,8 +340,8 @@ def _decode_reference(q, k, v, pos, length, block_mask, layer=None, *, block_siz
         # already counted and are masked out.
         start = jnp.minimum(i * block, capacity - block)
         slots = start + offsets  # [block]
-        k_blk = block_of(k, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
-        v_blk = block_of(v, start, block).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        k_blk = stored_as(block_of(k, start, block), q.dtype).astype(jnp.float32)  # [batch, kv_heads, block, hd]
+        v_blk = stored_as(block_of(v, start, block), q.dtype).astype(jnp.float32)  # [batch, kv_heads, block, hd]
         p_blk = block_of(pos, start, block)  # [batch, kv_heads, block]
         valid = (p_blk >= 0) & ((slots >= i * block) & (slots < length))[None, None, :]
         if block_mask is not None:

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.decode_attention import _check_args as check_decode_args
+from pallas_kernels.decode_attention import stored_as
 from pallas_kernels.tpu_common import LANES, dot_precision, lanes_to, sublane_multiple
 
 DEFAULT_BLOCK_SIZE_TPU = 1024  # 2 x 256 KiB of bf16 K and V per grid step: amortizes the ~0.35 us cost of a step
@@ -85,7 +86,7 @@ def _decode_kernel(
     @pl.when(i * block < length)
     def _step():
         q = q_ref[...]  # [rows, head_dim]
-        k = k_ref[...]  # [block, head_dim]
+        k = stored_as(k_ref[...], q.dtype)  # [block, head_dim] (a cache kept as bits: `holds_bits_of`)
         precision = dot_precision(q.dtype)
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -101,7 +102,8 @@ def _decode_kernel(
         m_ref[...] = m_next
         # zero V past `length` (the last block may hold garbage there); select in f32, then back to V's dtype
         sublane_slot = i * block + lax.broadcasted_iota(jnp.int32, (block, head_dim), 0)  # [block, head_dim]
-        v = jnp.where(sublane_slot < length, v_ref[...].astype(jnp.float32), 0.0).astype(v_ref.dtype)
+        v = stored_as(v_ref[...], q.dtype).astype(jnp.float32)
+        v = jnp.where(sublane_slot < length, v, 0.0).astype(q.dtype)
         pv = lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # [rows, head_dim]
@@ -181,7 +183,8 @@ def decode_attention_tpu(
 
     Args:
       q: [batch, kv_heads, group, head_dim], one query token per row, the GQA group of each kv head.
-      k, v: [batch, kv_heads, capacity, head_dim], same dtype as q (bfloat16 or float32).
+      k, v: [batch, kv_heads, capacity, head_dim], same dtype as q (bfloat16 or float32), or for a 16-bit q
+        its bits as uint16 (`holds_bits_of`).
       pos: [batch, kv_heads, capacity] int32, -1 marks an empty slot.
       length: int32 scalar, slots in use (shared by all rows); no block past `length` is read.
       block_size: slots per grid step, a multiple of 128 (a cache of at most `block_size` slots is one block).

@@ -9,6 +9,7 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_co
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
 _SLICE = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:dynamic-slice|slice)\(")
+_CONVERT = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} convert\(")
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
@@ -61,6 +62,11 @@ def per_step_slices(hlo: str, shape_filter, follow_branches: bool = False) -> li
     """Like `per_step_copies`, for `slice` and `dynamic-slice` instructions: XLA:CPU materializes a slice that a dot
     reads, so a weight-sized slice in the decode loop is a per-step copy of (part of) a weight."""
     return _per_step(hlo, _SLICE, shape_filter, follow_branches)
+
+
+def per_step_converts(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
+    """Like `per_step_copies`, for `convert` instructions (dtype conversions, fused ones included)."""
+    return _per_step(hlo, _CONVERT, shape_filter, follow_branches)
 
 
 def dims_of(line: str) -> tuple[int, ...]:

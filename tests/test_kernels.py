@@ -362,6 +362,34 @@ class TestDecodeAttentionTPUKernelInterpret(TestDecodeAttentionTPUKernel):
     INTERPRET = True
 
 
+# A 16-bit cache kept as its bits (uint16: how vase_jax stores bf16 caches on CPU) reads exactly as the floats, in
+# every implementation, straight from a stack of layers.
+_DECODE_IMPLS = {
+    "reference": lambda *a, layer: decode_attention_reference(*a, block_size=64, layer=layer),
+    "triton_interpret": lambda *a, layer: decode_attention(*a, block_size=64, interpret=True, layer=layer),
+    "tpu_interpret": lambda *a, layer: decode_attention_tpu(
+        *a, block_size=128, interpret=dispatch.tpu_interpret_params(), layer=layer),
+}
+
+
+@pytest.mark.parametrize("impl", sorted(_DECODE_IMPLS))
+def test_decode_reads_a_cache_kept_as_bits(impl):
+    run = _DECODE_IMPLS[impl]
+    q, k, v, pos, n = _decode_inputs(14, 2, 2, 4, 128, 256, 200, "bfloat16")
+    k, v, pos = (jnp.stack([x, x[::-1]]) for x in (k, v, pos))  # two layers, rows swapped in the second
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+    for layer in (0, 1):
+        want = run(q, k, v, pos, n, layer=layer)
+        got = run(q, bits(k), bits(v), pos, n, layer=layer)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="dtypes differ"):  # bits of a 16-bit dtype only
+        run(q.astype(jnp.float32), bits(k), bits(v), pos, n, layer=0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # window scores: the kernels (Triton, TPU) inside the score vs the reference
 # ------------------------------------------------------------------------------------------------------------

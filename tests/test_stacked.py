@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,3 +103,65 @@ def test_eviction_adds_at_most_one_layer_of_temporaries():
         print(f"{method}: extra {extra} B, one layer {layer_share} B, scores {scores} B, cache {cache} B")
         assert extra <= layer_share + scores, method
         assert extra < cache / 2, method  # all layers' temporaries at once would be a multiple of this
+
+
+# ---- 16-bit caches are stored as bits on CPU ---------------------------------------------------------------------
+def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
+    """On CPU a bf16 cache is stored as uint16 bits (`cache.stores_bits`): prefill, decode steps and an eviction
+    give bit-identical logits and cache contents to a cache stored as bf16."""
+    from vase_jax.cache import init_cache, stores_bits
+    from vase_jax.eviction import framework
+    from vase_jax.model import prompt_positions
+
+    model = random_model(TINY, jnp.bfloat16)
+    assert stores_bits(jnp.bfloat16) and not stores_bits(jnp.float32)
+    ev = vj.EvictionConfig("vase_attnv", budget=32, buffer=8)
+    ids = jax.random.randint(jax.random.key(0), (2, 24), 0, TINY.vocab_size)
+    mask = jnp.ones_like(ids).at[1, :5].set(0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(bits_cache):
+        cache = init_cache(model.cfg, 2, 64, ev.buffer, jnp.bfloat16, bits=bits_cache)
+        logits, cache = model.forward(ids, prompt_positions(mask), cache, attention_mask=mask)
+        all_logits = [logits[:, -1]]
+        token = jnp.argmax(logits[:, -1], -1)
+        for step in range(20):
+            logits, cache = model.forward(token[:, None], cache.row_pos[:, None], cache)
+            all_logits.append(logits[:, 0])
+            token = jnp.argmax(logits[:, 0], -1)
+            if step == 15:
+                cache = framework.evict(cache, ev, jax.random.key(1), jnp.arange(2))
+        return jnp.stack(all_logits), cache
+
+    logits_bits, cache_bits = run(True)
+    logits_floats, cache_floats = run(False)
+    assert cache_bits.k.dtype == jnp.uint16 and cache_floats.k.dtype == jnp.bfloat16
+    assert int(cache_bits.evictions) == 1
+    np.testing.assert_array_equal(np.asarray(logits_bits), np.asarray(logits_floats))
+    for name in ("k", "v", "queries"):
+        got, want = getattr(cache_bits.as_floats(), name), getattr(cache_floats, name)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(cache_bits.pos), np.asarray(cache_floats.pos))
+
+
+@pytest.mark.parametrize("method", ["full", "vase_attnv", "h2o"])
+def test_bf16_decode_step_converts_no_cache_sized_array(method):
+    """XLA:CPU converts the whole operand of a bf16 dynamic-update-slice to float32 and back; with the cache kept as
+    bits no decode step converts a cache-sized array (every layer's write used to rewrite the stacked cache)."""
+    from hlo_utils import per_step_converts
+
+    from vase_jax.eviction import framework
+
+    model = random_model(TINY, jnp.bfloat16)
+    ids = jnp.ones((2, 64), jnp.int32)
+    cfg = vj.GenerateConfig(max_new_tokens=200)
+    ev = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=128, buffer=32)
+    cap = framework.capacity_for(ev, 64, 0, cfg.max_new_tokens)
+    hlo = lower_generate(model, ids, jnp.ones_like(ids), key=jax.random.key(0), config=cfg,
+                         eviction=ev).compile().as_text()
+    converts = per_step_converts(hlo, lambda dims: cap in dims and len(dims) >= 4)  # [layers, batch, heads, cap..]
+    assert converts == [], "\n".join(converts[:5])
+    out = vj.generate(model, ids, jnp.ones_like(ids), key=jax.random.key(0), config=cfg.__class__(
+        max_new_tokens=8, return_cache=True), eviction=ev)
+    assert out.cache.k.dtype == jnp.bfloat16  # handed back as floats

@@ -20,6 +20,14 @@ slots [0, P_b), whatever bucket the batch was padded to, so a row's cache never 
 Decode writes are per-row scatters at slot `length[b]` (in place inside the loop; an inactive row's write goes to
 an out-of-range slot and is dropped). The decode attention reads slots [0, max_b length[b]): a row's slots beyond
 its own length hold `pos = -1` and are masked.
+
+Storage: on CPU a 16-bit float cache (`k`, `v`, `queries`) is stored as its bits, uint16 (`bits=True`; `dtype`
+keeps the float dtype). XLA:CPU has no bfloat16 dynamic-update-slice: it converts the whole operand to float32
+and back around each write, so a bf16 decode step would rewrite every stacked cache array once per layer (in a
+microbenchmark of a [4, 4, 8, 2048, 128] stack: 62 ms per step of four one-token writes in bf16, 0.4 ms in
+uint16). Reads go through `layer_keys` / `layer_values` / `ordered_queries` (one layer, bitcast back), the decode
+kernels read the bits directly (`pallas_kernels.decode_attention.stored_as`), and `as_floats` gives the cache in
+its float dtype. Other backends store floats.
 """
 
 from __future__ import annotations
@@ -64,10 +72,22 @@ def _is_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def update_slice(x: jax.Array, update: jax.Array, starts: tuple) -> jax.Array:
-    """`lax.dynamic_update_slice(x, update, starts)`, in place. (XLA:CPU rewrites all of a bf16 array at such an
-    update; a uint16 view did not help: the view itself is then materialized. docs/BENCHMARKS.md, bf16.)"""
-    return jax.lax.dynamic_update_slice(x, update.astype(x.dtype), starts)
+def stores_bits(dtype) -> bool:
+    """The default storage of a cache of float `dtype` on this backend: bits (uint16) for 16-bit floats on CPU."""
+    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
+
+
+def update_slice(x: jax.Array, update: jax.Array, starts: tuple, dtype=None) -> jax.Array:
+    """`lax.dynamic_update_slice(x, update, starts)`, in place; `update` is cast to `dtype` (default x's) and, when
+    x holds bits (uint16), stored as its bits."""
+    update = update.astype(x.dtype if dtype is None else dtype)
+    return jax.lax.dynamic_update_slice(x, as_bits(update) if x.dtype == jnp.uint16 else update, starts)
+
+
+def stored(x: jax.Array, cache: KVCache) -> jax.Array:
+    """x as the cache stores its keys, values and queries: cast to its float dtype, as bits if it keeps bits."""
+    x = x.astype(cache.float_dtype)
+    return as_bits(x) if cache.k.dtype == jnp.uint16 else x
 
 
 def layer_of(x: jax.Array, layer) -> jax.Array:
@@ -89,6 +109,7 @@ class KVCache:
     active: jax.Array  # [batch] bool: the row takes a token at the next decode step
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
+    dtype: Any = struct.field(pytree_node=False, default=None)  # float dtype of k, v, queries (None: k's dtype)
 
     @property
     def capacity(self) -> int:
@@ -102,6 +123,25 @@ class KVCache:
     def num_layers(self) -> int:
         return self.k.shape[0]
 
+    @property
+    def float_dtype(self):
+        """The float dtype of `k`, `v` and `queries` (which may be stored as its bits)."""
+        return self.k.dtype if self.dtype is None else jnp.dtype(self.dtype)
+
+    def layer_keys(self, layer) -> jax.Array:
+        """Keys of one layer in the float dtype: [batch, kv_heads, capacity, head_dim]."""
+        return from_bits(layer_of(self.k, layer), self.float_dtype)
+
+    def layer_values(self, layer) -> jax.Array:
+        """Values of one layer in the float dtype: [batch, kv_heads, capacity, head_dim]."""
+        return from_bits(layer_of(self.v, layer), self.float_dtype)
+
+    def as_floats(self) -> KVCache:
+        """The same cache with `k`, `v` and `queries` in the float dtype (a copy when they are stored as bits)."""
+        dtype = self.float_dtype
+        return self.replace(k=from_bits(self.k, dtype), v=from_bits(self.v, dtype),
+                            queries=from_bits(self.queries, dtype))
+
 
 def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> dict[str, tuple[int, ...]]:
     """Shape of every cache array, from `CACHE_AXES` and the sizes of `cfg`."""
@@ -109,17 +149,24 @@ def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> di
     return {name: tuple(sizes[a] for a in axes) for name, axes in CACHE_AXES.items()}
 
 
-def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = ()) -> KVCache:
+def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = (),
+               bits: bool | None = None) -> KVCache:
     """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring; `state`: the
-    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]."""
+    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]. `bits`: store the 16-bit
+    float `dtype` as uint16 bits (default `stores_bits(dtype)`: on CPU)."""
     shapes = cache_shapes(cfg, batch, capacity, window)
+    bits = stores_bits(dtype) if bits is None else bits
+    if bits and jnp.dtype(dtype).itemsize != 2:
+        raise ValueError(f"init_cache: bits=True needs a 16-bit float dtype, got {jnp.dtype(dtype)}")
+    stored = jnp.uint16 if bits else dtype  # zero bits are +0.0
     return KVCache(
         state={spec.name: jnp.zeros(shapes["pos"], jnp.float32) for spec in state},
         state_specs=tuple(state),
-        k=jnp.zeros(shapes["k"], dtype),
-        v=jnp.zeros(shapes["v"], dtype),
+        dtype=jnp.dtype(dtype),
+        k=jnp.zeros(shapes["k"], stored),
+        v=jnp.zeros(shapes["v"], stored),
         pos=jnp.full(shapes["pos"], -1, jnp.int32),
-        queries=jnp.zeros(shapes["queries"], dtype),
+        queries=jnp.zeros(shapes["queries"], stored),
         query_valid=jnp.zeros(shapes["query_valid"], bool),
         row_pos=jnp.zeros(shapes["row_pos"], jnp.int32),
         length=jnp.zeros(shapes["length"], jnp.int32),
@@ -158,9 +205,10 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
     pad = _padding(token_mask)  # [batch]
+    dtype = cache.float_dtype
     new = cache.replace(
-        k=update_slice(cache.k, _unpad(k, pad, 2)[None], (layer, 0, 0, 0, 0)),
-        v=update_slice(cache.v, _unpad(v, pad, 2)[None], (layer, 0, 0, 0, 0)),
+        k=update_slice(cache.k, _unpad(k, pad, 2)[None], (layer, 0, 0, 0, 0), dtype),
+        v=update_slice(cache.v, _unpad(v, pad, 2)[None], (layer, 0, 0, 0, 0), dtype),
     )
     if cache.window:
         t = k.shape[2]
@@ -168,7 +216,7 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
         src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
         ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
         ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
-        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0)))
+        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0), dtype))
     return new
 
 
@@ -199,13 +247,13 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     rows = jnp.arange(k.shape[0])
     slot = _write_slots(cache)  # [batch]
     new = cache.replace(
-        k=cache.k.at[layer, rows, :, slot].set(k[:, :, 0].astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[layer, rows, :, slot].set(v[:, :, 0].astype(cache.v.dtype), mode="drop"),
+        k=cache.k.at[layer, rows, :, slot].set(stored(k[:, :, 0], cache), mode="drop"),
+        v=cache.v.at[layer, rows, :, slot].set(stored(v[:, :, 0], cache), mode="drop"),
     )
     if cache.window:
         ring_slot = jnp.where(cache.active, (cache.row_pos - 1) % cache.window, cache.window)  # [batch]
         new = new.replace(queries=cache.queries.at[layer, rows, :, :, ring_slot].set(
-            q[:, :, :, 0].astype(cache.queries.dtype), mode="drop"))
+            stored(q[:, :, :, 0], cache), mode="drop"))
     return new
 
 
@@ -232,7 +280,7 @@ def ordered_queries(cache: KVCache, layer) -> tuple[jax.Array, jax.Array]:
     [b, window])."""
     w = cache.window
     order = (cache.row_pos[:, None] + jnp.arange(w)) % w  # [batch, window], oldest ring slot first
-    ring = layer_of(cache.queries, layer)
+    ring = from_bits(layer_of(cache.queries, layer), cache.float_dtype)
     return (jnp.take_along_axis(ring, order[:, None, None, :, None], axis=3),
             jnp.take_along_axis(cache.query_valid, order, axis=1))
 
@@ -262,7 +310,7 @@ def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     """After a decode step's write (`write_token`): state <- spec.update(state, w) for every per-slot state array
     of `layer`, w = `decode_slot_weights` of the query q [batch, kv_heads, group, head_dim]. Inactive rows keep
     their state."""
-    k = layer_of(cache.k, layer)
+    k = cache.layer_keys(layer)
     pos = layer_of(cache.pos, layer)
     w = decode_slot_weights(q, k, pos, cache.length)  # [b, h, capacity]
     return _apply_state(cache, layer, w, cache.active)

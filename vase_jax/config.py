@@ -97,20 +97,22 @@ class Qwen3Config:
 # Logical axis names of every parameter, by parameter path: sharding over a `("data", "model")` mesh is a table
 # from these names to mesh axes (DESIGN.md, "Scaling out"); `param_shapes` reads their sizes off a config.
 PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    # Matrices are [out, in], the layout of HF checkpoints: XLA:CPU runs bf16 matmuls against a weight whose
+    # contracted axis is the last 1.3-2x faster than against [in, out] (docs/BENCHMARKS.md, bf16).
     ("embedding",): ("vocab", "embed"),
-    ("lm_head",): ("embed", "vocab"),
+    ("lm_head",): ("vocab", "embed"),
     ("norm", "weight"): ("embed",),
     ("layers", "input_norm"): ("layers", "embed"),
-    ("layers", "q_proj"): ("layers", "embed", "q_heads", "head_dim"),
-    ("layers", "k_proj"): ("layers", "embed", "kv_heads", "head_dim"),
-    ("layers", "v_proj"): ("layers", "embed", "kv_heads", "head_dim"),
-    ("layers", "o_proj"): ("layers", "q_heads", "head_dim", "embed"),
+    ("layers", "q_proj"): ("layers", "q_heads", "head_dim", "embed"),
+    ("layers", "k_proj"): ("layers", "kv_heads", "head_dim", "embed"),
+    ("layers", "v_proj"): ("layers", "kv_heads", "head_dim", "embed"),
+    ("layers", "o_proj"): ("layers", "embed", "q_heads", "head_dim"),
     ("layers", "q_norm"): ("layers", "head_dim"),
     ("layers", "k_norm"): ("layers", "head_dim"),
     ("layers", "post_attn_norm"): ("layers", "embed"),
-    ("layers", "gate_proj"): ("layers", "embed", "mlp"),
-    ("layers", "up_proj"): ("layers", "embed", "mlp"),
-    ("layers", "down_proj"): ("layers", "mlp", "embed"),
+    ("layers", "gate_proj"): ("layers", "mlp", "embed"),
+    ("layers", "up_proj"): ("layers", "mlp", "embed"),
+    ("layers", "down_proj"): ("layers", "embed", "mlp"),
 }
 LAYER_PARAMS = tuple(path[1] for path in PARAM_AXES if path[0] == "layers")
 NORM_PARAMS = ("input_norm", "q_norm", "k_norm", "post_attn_norm")  # RMSNorm scales: initialized to 1

@@ -364,7 +364,7 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, co
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=ended_by_token(final, config),
                           evictions=final.events,
                           row_evictions=final.cache.evictions, cache_length=final.cache.length,
-                          steps=final.step, cache=final.cache if config.return_cache else None)
+                          steps=final.step, cache=final.cache.as_floats() if config.return_cache else None)
 
 
 def no_events() -> dict[str, jax.Array]:

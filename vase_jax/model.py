@@ -43,10 +43,22 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
+def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` for a 2-D x [rows, in] with a float32 result. XLA:CPU runs a one-row 16-bit matmul (a
+    matrix-vector product: decode at batch 1) about 8x slower than a two-row one, so there one zero row is added
+    and dropped again."""
+    rows = x.shape[0]
+    pad = rows == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu"
+    if pad:
+        x = jnp.pad(x, ((0, 1), (0, 0)))
+    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return y[:rows] if pad else y
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [n, in] @ w [in, out] with a float32 result cast to x's dtype. Callers flatten to 2-D: inside a loop,
-    XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    """x [n, in] times w [out, in] (HF's layout) -> [n, out], a float32 result cast to x's dtype. Callers flatten
+    to 2-D: inside a loop, XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
+    return matmul("ni,oi->no", x, w).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -101,14 +113,14 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, r
 def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array):
     """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
 
-    Projections are plain 2-D matmuls against `[embed, heads * head_dim]` views of the weights, so no weight is
+    Projections are plain 2-D matmuls against `[heads * head_dim, embed]` views of the weights, so no weight is
     transposed (copied) inside the decode loop.
     """
     b, t, e = x.shape
     d = cfg.head_dim
 
-    def heads(name: str, n: int) -> jax.Array:  # [batch, seq, embed] @ [embed, n * d] -> [batch, n, seq, d]
-        y = linear(x.reshape(b * t, e), w[name].reshape(e, n * d))
+    def heads(name: str, n: int) -> jax.Array:  # [batch, seq, embed] x [n * d, embed] -> [batch, n, seq, d]
+        y = linear(x.reshape(b * t, e), w[name].reshape(n * d, e))
         return y.reshape(b, t, n, d).transpose(0, 2, 1, 3)
 
     q = heads("q_proj", cfg.num_heads)  # [batch, q_heads, seq, head_dim]
@@ -152,7 +164,7 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
-    return x + linear(out, w["o_proj"].reshape(hd, -1)).reshape(b, t, -1), cache
+    return x + linear(out, w["o_proj"].reshape(-1, hd)).reshape(b, t, -1), cache
 
 
 def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -190,12 +202,15 @@ def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
                 carry = body(carry, w, i)
         return carry
     num_layers = next(iter(layers.values())).shape[0]
+    dtypes = {name: x.dtype for name, x in layers.items()}
 
     def step(c, xs):
         w, i = xs
-        return body(c, w, i), None
+        return body(c, {name: from_bits(x, dtypes[name]) for name, x in w.items()}, i), None
 
-    return jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
+    # scanned over the `as_bits` view: XLA:CPU would convert each whole bf16 stack to float32 to slice it
+    bits = {name: as_bits(x) for name, x in layers.items()}
+    return jax.lax.scan(step, carry, (bits, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
 
 
 def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
@@ -230,7 +245,7 @@ class Qwen3(nnx.Module):
         self.embedding = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = DecoderLayers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
 
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None) -> Qwen3:
@@ -266,10 +281,8 @@ class Qwen3(nnx.Module):
         with jax.named_scope("lm_head"):
             b, t, e = x.shape
             x = self.norm(x).reshape(b * t, e)  # a 2-D matmul: XLA:CPU runs "bte,ve->btv" inside a loop 3x slower
-            if self.lm_head is None:
-                logits = jnp.einsum("ne,ve->nv", x, self.embedding[...], preferred_element_type=jnp.float32)
-            else:
-                logits = jnp.einsum("ne,ev->nv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+            head = self.embedding if self.lm_head is None else self.lm_head  # [vocab, embed]
+            logits = matmul("ne,ve->nv", x, head[...])
             return logits.reshape(b, t, -1)  # [batch, seq, vocab]
 
     def layer_weights(self, unstack: bool = False) -> LayerWeights:

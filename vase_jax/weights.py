@@ -24,7 +24,7 @@ from flax import nnx
 from vase_jax.config import Qwen3Config, param_shapes
 
 ORBAX_MARKER = "vase_jax_orbax.json"  # written by save_orbax next to config.json
-ORBAX_LAYOUT = "stacked-layers-v1"  # layer weights as [layers, ...] arrays
+ORBAX_LAYOUT = "stacked-layers-v2"  # layer weights as [layers, ...] arrays, matrices [out, in]
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                    "added_tokens.json", "generation_config.json")
 
@@ -47,30 +47,27 @@ def hf_key_map(cfg: Qwen3Config) -> dict[str, Entry]:
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, v = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     ident: Transform = lambda w: w  # noqa: E731
-    transpose: Transform = lambda w: w.T  # noqa: E731
 
-    def heads_in(n: int) -> tuple[Transform, Transform]:  # HF [n*d, e] <-> ours [e, n, d]
-        return (lambda w: w.T.reshape(e, n, d)), (lambda w: w.reshape(e, n * d).T)
-
-    o_proj = (lambda w: w.T.reshape(hq, d, e)), (lambda w: w.reshape(hq * d, e).T)  # HF [e, hq*d] <-> [hq, d, e]
     table = {
         "model.embed_tokens.weight": Entry(("embedding",), None, (v, e), ident, ident),
         "model.norm.weight": Entry(("norm", "weight"), None, (e,), ident, ident),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = Entry(("lm_head",), None, (v, e), transpose, transpose)
+        table["lm_head.weight"] = Entry(("lm_head",), None, (v, e), ident, ident)
+    heads_out = {n: ((lambda w, n=n: w.reshape(n, d, e)), (lambda w, n=n: w.reshape(n * d, e))) for n in {hq, hkv}}
+    o_proj = (lambda w: w.reshape(e, hq, d)), (lambda w: w.reshape(e, hq * d))  # HF [e, hq*d] <-> [e, hq, d]
     per_layer = {  # HF name within a layer -> (our stacked name, HF shape, to ours, to HF)
         "input_layernorm.weight": ("input_norm", (e,), ident, ident),
         "post_attention_layernorm.weight": ("post_attn_norm", (e,), ident, ident),
-        "self_attn.q_proj.weight": ("q_proj", (hq * d, e), *heads_in(hq)),
-        "self_attn.k_proj.weight": ("k_proj", (hkv * d, e), *heads_in(hkv)),
-        "self_attn.v_proj.weight": ("v_proj", (hkv * d, e), *heads_in(hkv)),
+        "self_attn.q_proj.weight": ("q_proj", (hq * d, e), *heads_out[hq]),
+        "self_attn.k_proj.weight": ("k_proj", (hkv * d, e), *heads_out[hkv]),
+        "self_attn.v_proj.weight": ("v_proj", (hkv * d, e), *heads_out[hkv]),
         "self_attn.o_proj.weight": ("o_proj", (e, hq * d), *o_proj),
         "self_attn.q_norm.weight": ("q_norm", (d,), ident, ident),
         "self_attn.k_norm.weight": ("k_norm", (d,), ident, ident),
-        "mlp.gate_proj.weight": ("gate_proj", (f, e), transpose, transpose),
-        "mlp.up_proj.weight": ("up_proj", (f, e), transpose, transpose),
-        "mlp.down_proj.weight": ("down_proj", (e, f), transpose, transpose),
+        "mlp.gate_proj.weight": ("gate_proj", (f, e), ident, ident),
+        "mlp.up_proj.weight": ("up_proj", (f, e), ident, ident),
+        "mlp.down_proj.weight": ("down_proj", (e, f), ident, ident),
     }
     for i in range(cfg.num_layers):
         for name, (ours, shape, to_ours, to_hf) in per_layer.items():
@@ -201,7 +198,7 @@ def restore_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict[tuple, jax.Arra
     with open(folder / ORBAX_MARKER) as fh:
         layout = json.load(fh).get("layout")
     if layout != ORBAX_LAYOUT:
-        raise ValueError(f"{folder}: converted by an older vase-jax (per-layer parameters, layout {layout!r}); "
+        raise ValueError(f"{folder}: converted by an older vase-jax (parameter layout {layout!r}); "
                          f"convert the HF checkpoint again with scripts/convert.py (layout {ORBAX_LAYOUT!r})")
     target: dict = {}
     for path, shape in param_shapes(cfg).items():

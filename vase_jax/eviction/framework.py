@@ -132,8 +132,8 @@ def select_layer(
     buffer = eviction.buffer
     num_candidates = cache.capacity - buffer  # static L
     slot = jnp.arange(num_candidates)
-    keys = layer_of(cache.k, layer)  # [batch, kv_heads, capacity, head_dim]
-    values = layer_of(cache.v, layer)
+    keys = cache.layer_keys(layer)  # [batch, kv_heads, capacity, head_dim]
+    values = cache.layer_values(layer)
     layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
     pos = jnp.where(slot < (cache.length - buffer)[:, None, None], layer_pos[:, :, :num_candidates], -1)
 
