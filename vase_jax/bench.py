@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from vase_jax import random_model, weights
-from vase_jax.cache import KVCache, cache_shapes
+from vase_jax.cache import KVCache, as_bits, cache_shapes, stores_bits
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -248,10 +248,15 @@ def filled_cache(
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
     shapes = cache_shapes(cfg, batch, capacity, window)
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    return KVCache(k=jax.random.normal(kk, shapes["k"], jnp.float32).astype(dtype),
-                   v=jax.random.normal(kv, shapes["v"], jnp.float32).astype(dtype),
+
+    def stored(x: jax.Array) -> jax.Array:  # stored as `init_cache` stores it (bits for 16-bit floats on CPU)
+        x = x.astype(dtype)
+        return as_bits(x) if stores_bits(dtype) else x
+
+    return KVCache(k=stored(jax.random.normal(kk, shapes["k"], jnp.float32)),
+                   v=stored(jax.random.normal(kv, shapes["v"], jnp.float32)),
                    pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), shapes["pos"]),
-                   queries=jax.random.normal(kq, shapes["queries"], jnp.float32).astype(dtype),
+                   queries=stored(jax.random.normal(kq, shapes["queries"], jnp.float32)), dtype=jnp.dtype(dtype),
                    query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
                    length=jnp.full((batch,), length, jnp.int32), seen=jnp.full((batch,), length, jnp.int32),
                    evictions=jnp.zeros((batch,), jnp.int32), active=jnp.ones((batch,), bool),
