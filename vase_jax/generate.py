@@ -11,6 +11,7 @@ Randomness: `key` is split once into a sampling key and an eviction key. Step s 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -24,6 +25,7 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
 from vase_jax.model import LayerWeights, Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, sample
+from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, spec_for
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -155,6 +157,9 @@ def generate(
     random stream (default `arange(batch)`): a row gives the same tokens whatever else is in its batch.
     Prompts longer than `eviction.budget` are kept whole until the first eviction, which then runs over more than
     `budget` candidates (as the reference does); the capacity grows to hold them.
+
+    A model sharded over a `("data", "model")` mesh (`vase_jax.sharding.shard_model`, or `from_pretrained(...,
+    mesh=)`) runs on that mesh: rows over `data`, heads over `model`; the cache is created sharded the same way.
     """
     return _generate(*_prepare(model, input_ids, attention_mask, key, config, eviction, row_ids))
 
@@ -191,14 +196,30 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids):
     capacity = framework.capacity_for(eviction, t, t - t_in, config.max_new_tokens)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
+    input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
+    row_ids = jnp.asarray(row_ids, jnp.int32)
+    mesh = model_mesh(model)
+    if mesh is not None:  # rows over `data` (checked before anything compiles)
+        check_mesh(model.cfg, mesh, b)
+        rows = jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh))
+        input_ids, attention_mask = (jax.device_put(x, jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"))))
+                                     for x in (input_ids, attention_mask))
+        row_ids = jax.device_put(row_ids, rows)
     graphdef, state = nnx.split(model)
-    return (graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
-            jnp.asarray(row_ids, jnp.int32), config, eviction, capacity)
+    return (graphdef, state, input_ids, attention_mask, key, row_ids, config, eviction, capacity, mesh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int) -> GenerateOutput:
+              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None) -> GenerateOutput:
+    # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+        return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, config, eviction,
+                              capacity, mesh)
+
+
+def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
+                   eviction: EvictionConfig, capacity: int, mesh) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     sample_key, evict_key = jax.random.split(key)
@@ -207,12 +228,13 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
     impl = config.attention_impl
     with jax.named_scope("prefill"):
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl,
-                                framework.slot_state(eviction))
+                                framework.slot_state(eviction), mesh)
         first = sample(logits, jax.random.fold_in(sample_key, 0), config.sampling, row_ids)
     # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
     layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
 
-    tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
+    tokens = constrain(jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first),
+                       ("batch", "step"), mesh)
     done = jnp.isin(first, eos)
     state0 = LoopState(cache=cache, tokens=tokens, last=first, done=done, num_tokens=jnp.ones((b,), jnp.int32),
                        step=jnp.int32(1))
@@ -222,6 +244,7 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
 
     def step(s: LoopState) -> LoopState:
         logits, cache = decode_step(model, s.cache, s.last, impl, layers)
+        cache = constrain_cache(cache, mesh)  # the loop carry keeps the cache's sharding: no reshuffling per step
         token = sample(logits, jax.random.fold_in(sample_key, s.step), config.sampling, row_ids)
         token = jnp.where(s.done, config.pad_id, token)
         tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
@@ -241,9 +264,10 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: 
                 return running(s) & (first | ~framework.should_evict(s.cache, eviction))
 
             s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
-            cache = jax.lax.cond(framework.should_evict(s.cache, eviction),
-                                 lambda c: framework.evict(c, eviction, evict_key, row_ids, impl), lambda c: c,
-                                 s.cache)
+            def evict(c: KVCache) -> KVCache:  # per device under a mesh
+                return constrain_cache(framework.evict_per_device(c, eviction, evict_key, row_ids, impl), mesh)
+
+            cache = jax.lax.cond(framework.should_evict(s.cache, eviction), evict, lambda c: c, s.cache)
             return s.replace(cache=cache)
 
         final = jax.lax.while_loop(running, segment, state0)
@@ -258,17 +282,18 @@ def query_window(eviction: EvictionConfig) -> int:
 
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
-            attention_impl: str = "auto", state: tuple = ()):
+            attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
     `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
-    policy's per-slot state arrays (`framework.slot_state`). The layers run scanned (a prefill reads each weight
+    policy's per-slot state arrays (`framework.slot_state`); `mesh`: create the cache sharded over it
+    (`vase_jax.sharding.cache_specs`). The layers run scanned (a prefill reads each weight
     once, so slicing it out of the stack costs nothing per token).
     """
-    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state)
+    cache = constrain_cache(init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state), mesh)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
                                   attention_impl=attention_impl, last_logits_only=True)
-    return logits[:, -1], cache
+    return logits[:, -1], constrain_cache(cache, mesh)
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto",
