@@ -201,3 +201,45 @@ def test_mesh_hlo_keeps_eviction_local_and_bad_input():
     assert "model=3 does not divide kv_heads=8" in errors["model3"]
     assert "data=4 does not divide the batch of 6 rows" in errors["data_batch"]
     assert "needs 16 devices" in errors["devices"]
+
+
+# ---- loading straight into shards -------------------------------------------------------------------------------
+def test_from_pretrained_with_mesh_safetensors_and_orbax(tmp_path):
+    """A sharded safetensors checkpoint (several files) and its orbax conversion, loaded with mesh=(2, 4): every
+    parameter has its rule's sharding (each device holds only its shard), values equal the unsharded load's, and
+    the logits equal the unsharded model's."""
+    from conftest import save_tiny_checkpoint
+
+    _, hf = save_tiny_checkpoint(tmp_path / "one_file", seed=2, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=16, vocab_size=512)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder, max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 3  # really sharded
+    result = run_devices(f"""
+        from flax import nnx
+        from vase_jax import weights
+        from vase_jax.sharding import param_shardings
+        folder = {str(folder)!r}
+        plain = vj.Qwen3.from_pretrained(folder, dtype=jnp.float32)
+        weights.save_orbax(plain, {str(tmp_path / "orbax")!r}, source=folder)
+        mesh = make_mesh(2, 4)
+        want = param_shardings(plain.cfg, mesh)
+        ids_ = jnp.asarray(ids)
+        ref = np.asarray(plain(ids_, jnp.asarray(mask)))
+        out = {{}}
+        for kind, path in (("safetensors", folder), ("orbax", {str(tmp_path / "orbax")!r})):
+            model_ = vj.Qwen3.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
+            flat = weights.flat_params(model_)
+            wrong = [".".join(p) for p, x in flat.items()
+                     if not x.sharding.is_equivalent_to(want[p], x.ndim)
+                     or any(s.data.shape != want[p].shard_shape(x.shape) for s in x.addressable_shards)]
+            unequal = [".".join(p) for p, x in flat.items()
+                       if not np.array_equal(np.asarray(x), np.asarray(weights.flat_params(plain)[p]))]
+            logits = np.asarray(jax.jit(lambda m, a, b: m(a, b))(model_, ids_, jnp.asarray(mask)))
+            out[kind] = dict(wrong=wrong, unequal=unequal, n=len(flat), diff=float(np.abs(logits - ref).max()),
+                             scale=float(np.abs(ref).max()))
+        print(json.dumps(out))
+    """)
+    for kind, r in result.items():
+        assert r["n"] == 14 and r["wrong"] == [] and r["unequal"] == [], (kind, r)
+        assert r["diff"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)  # float32; only the summation order differs

@@ -211,7 +211,7 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids):
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None) -> GenerateOutput:
+              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
         return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, config, eviction,
