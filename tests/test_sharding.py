@@ -243,3 +243,46 @@ def test_from_pretrained_with_mesh_safetensors_and_orbax(tmp_path):
     for kind, r in result.items():
         assert r["n"] == 14 and r["wrong"] == [] and r["unequal"] == [], (kind, r)
         assert r["diff"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)  # float32; only the summation order differs
+
+
+# ---- the memory planner -------------------------------------------------------------------------------------------
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "scripts/plan.py", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_plan_script_counts_per_device_bytes():
+    """Weights and cache per device, counted here by hand from the shapes; temporaries from the compiled program."""
+    import math
+
+    from vase_jax.bench import named_configs
+    from vase_jax.config import param_shapes
+
+    proc = _plan("--model", "tiny", "--mesh", "data=2,model=2", "--batch", "4", "--budget", "48", "--buffer", "16",
+                 "--prompt", "40", "--max-new-tokens", "256", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = named_configs()["tiny"]
+    model_sharded = {("embedding",), ("lm_head",)} | {("layers", n) for n in ("q_proj", "k_proj", "v_proj",
+                                                                              "o_proj", "gate_proj", "up_proj",
+                                                                              "down_proj")}
+    weights = sum(math.prod(s) * 2 // (2 if p in model_sharded else 1) for p, s in param_shapes(cfg).items())
+    cap, window = out["capacity"], 16  # bf16; the query ring of vase_attnv holds `buffer` queries
+    per_row_head = cfg.num_layers * cap * (2 * cfg.head_dim * 2 + 4) + cfg.num_layers * cfg.group * window * \
+        cfg.head_dim * 2  # k, v, pos, queries per (row, kv head)
+    cache = per_row_head * 4 * cfg.num_kv_heads // 4 + (4 * window + 4 * 4) // 2 + 4 * 4  # rows/heads over 4 devices
+    got = out["per_device_bytes"]
+    assert got["weights"] == weights
+    assert got["cache"] == cache
+    assert got["temporaries"] > got["cache"]  # the cache is created inside the program
+    assert got["arguments"] >= got["weights"]
+
+
+def test_plan_script_bad_input():
+    proc = _plan("--model", "qwen3-32b", "--mesh", "data=1,model=16", "--batch", "16")
+    assert proc.returncode == 2 and "model=16 does not divide kv_heads=8" in proc.stderr, proc.stderr
+    proc = _plan("--model", "qwen3-32b", "--mesh", "data=2,pipe=2", "--batch", "16")
+    assert proc.returncode == 2 and "'pipe=2'" in proc.stderr, proc.stderr
+    proc = _plan("--model", "qwen3-32b", "--mesh", "data=4", "--batch", "6", "--no-compile")
+    assert proc.returncode == 2 and "data=4 does not divide the batch of 6" in proc.stderr, proc.stderr
