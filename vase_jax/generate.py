@@ -25,7 +25,7 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
 from vase_jax.model import LayerWeights, Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, sample
-from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, spec_for
+from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -201,10 +201,9 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids):
     mesh = model_mesh(model)
     if mesh is not None:  # rows over `data` (checked before anything compiles)
         check_mesh(model.cfg, mesh, b)
-        rows = jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh))
-        input_ids, attention_mask = (jax.device_put(x, jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"))))
-                                     for x in (input_ids, attention_mask))
-        row_ids = jax.device_put(row_ids, rows)
+        rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))
+        input_ids, attention_mask = put(input_ids, rows), put(attention_mask, rows)
+        row_ids = put(row_ids, jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh)))
     graphdef, state = nnx.split(model)
     return (graphdef, state, input_ids, attention_mask, key, row_ids, config, eviction, capacity, mesh)
 

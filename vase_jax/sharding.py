@@ -111,13 +111,22 @@ def param_shardings(cfg: Qwen3Config, mesh: Mesh) -> dict[tuple[str, ...], Named
     return {path: NamedSharding(mesh, spec) for path, spec in param_specs(cfg, mesh).items()}
 
 
+def put(x, sharding: NamedSharding) -> jax.Array:
+    """`x` placed with `sharding`; with several processes, each fills only its own devices' shards from its copy
+    of `x` (every process holds the same value)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def shard_model(model, mesh: Mesh):
     """The model with every parameter placed by `param_shardings` (a copy; `generate` then runs on the mesh)."""
     from flax import nnx
 
     shardings = param_shardings(model.cfg, mesh)
     graphdef, state = nnx.split(model)
-    flat = [(path, var.replace(jax.device_put(var[...], shardings[path]))) for path, var in nnx.to_flat_state(state)]
+    flat = [(path, var.replace(put(var[...], shardings[path]))) for path, var in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
