@@ -72,7 +72,7 @@ def put_rows(mesh, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
 
 def fetch(tree):
     """Every array of `tree` whole, on the host of every process. An array sharded over processes (rows over
-    `data`) is assembled with one all-reduce (`_replicate`): gloo's all-gather across CPU processes hangs here."""
+    `data`) is assembled with one all-reduce (`_replicate`), a collective every backend has."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
 
