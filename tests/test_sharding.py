@@ -286,3 +286,23 @@ def test_plan_script_bad_input():
     assert proc.returncode == 2 and "'pipe=2'" in proc.stderr, proc.stderr
     proc = _plan("--model", "qwen3-32b", "--mesh", "data=4", "--batch", "6", "--no-compile")
     assert proc.returncode == 2 and "data=4 does not divide the batch of 6" in proc.stderr, proc.stderr
+
+
+def test_lowers_for_cuda_and_tpu_under_a_mesh():
+    """On a (2, 4) mesh the program still lowers for GPU and TPU: the Pallas kernels (decode attention, window
+    score) as Triton / Mosaic calls inside manual (shard_map) regions."""
+    result = run_devices("""
+        from pallas_kernels.dispatch import lowering_target
+        from vase_jax.generate import lower_generate
+        sharded = shard_model(model, make_mesh(2, 4))
+        out = {}
+        for platform in ("cuda", "tpu"):
+            with lowering_target(platform):
+                text = lower_generate(sharded, ids, mask, key=jax.random.key(0), config=config(False),
+                                      eviction=eviction("vase_attnv"), platforms=(platform,)).as_text()
+            out[platform] = dict(triton="__gpu$xla.gpu.triton" in text, mosaic="tpu_custom_call" in text,
+                                 manual="manual_computation" in text)
+        print(json.dumps(out))
+    """)
+    assert result["cuda"] == dict(triton=True, mosaic=False, manual=True), result
+    assert result["tpu"] == dict(triton=False, mosaic=True, manual=True), result
