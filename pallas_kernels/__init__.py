@@ -15,9 +15,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from jax.sharding import PartitionSpec as P
+
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
-from pallas_kernels.dispatch import IMPLS, check_impl, select
+from pallas_kernels.dispatch import IMPLS, check_impl, per_device, select
 from pallas_kernels.eviction_scores import window_mass
 from pallas_kernels.eviction_scores_tpu import window_mass_tpu
 
@@ -54,7 +56,14 @@ def get_decode_attention(impl: str = "auto", **kernel_options) -> Callable:
     )
 
     def attend(q, k, v, pos, length, layer=None):
-        return chosen(q, k, v, pos, length) if layer is None else chosen(q, k, v, pos, length, layer)
+        if impl == "xla":  # the SPMD partitioner splits the XLA path itself
+            return chosen(q, k, v, pos, length) if layer is None else chosen(q, k, v, pos, length, layer)
+        # Under a mesh each device attends over its own rows and kv heads (`dispatch.per_device`).
+        rows_heads = P("data", "model")  # q [batch, kv_heads, group, head_dim], the output likewise
+        kv = P(*((None,) if layer is not None else ()), "data", "model")  # [(layers,) batch, kv_heads, slots, ...]
+        args = (q, k, v, pos, length) + (() if layer is None else (layer,))
+        specs = (rows_heads, kv, kv, kv, P()) + (() if layer is None else (P(),))
+        return per_device(chosen, specs, rows_heads)(*args)
 
     return attend
 
@@ -64,9 +73,20 @@ def get_window_mass(impl: str, xla: Callable, **kernel_options) -> Callable:
 
     `kernel_options` (`scale` included) go to both kernels; `xla` is called with the positional arguments only.
     """
-    return select(
+    chosen = select(
         impl,
         xla=xla,
         triton=lambda interpret: functools.partial(window_mass, interpret=interpret, **kernel_options),
         tpu=lambda interpret: functools.partial(window_mass_tpu, interpret=interpret, **kernel_options),
     )
+    if impl == "xla":
+        return chosen
+    # Under a mesh: per device over its rows and kv heads. q_rows, keys [b, h, ., d], valid [b, h, L],
+    # row_weights [b, rows] -> [b, h, L].
+    rows_heads = P("data", "model")
+
+    def run(q_rows, keys, valid, row_weights):
+        return per_device(chosen, (rows_heads, rows_heads, rows_heads, P("data")), rows_heads)(
+            q_rows, keys, valid, row_weights)
+
+    return run

@@ -83,6 +83,26 @@ def select(
     return run
 
 
+def per_device(fn: Callable, in_specs: tuple, out_specs: Any) -> Callable:
+    """`fn` run on each device's shard inside `shard_map` when a mesh is set for tracing
+    (`jax.sharding.use_abstract_mesh`), else `fn` itself. A Pallas kernel is one custom call that the SPMD
+    partitioner cannot split; inside `shard_map` every device runs it on its own rows and heads.
+
+    Specs name mesh axes ("data", "model"); axes the current mesh does not have are dropped. The caller states that
+    `fn` is local along those axes (no value depends on another shard).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:  # no mesh, or already per device (inside a `shard_map`)
+        return fn
+    names = set(mesh.axis_names)
+
+    def keep(spec):
+        return jax.sharding.PartitionSpec(*(a if a in names else None for a in spec))
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(keep(s) for s in in_specs), out_specs=keep(out_specs),
+                         check_vma=False)
+
+
 @contextlib.contextmanager
 def lowering_target(platform: str, device_kind: str = "NVIDIA H200") -> Iterator[None]:
     """Trace *and* lower inside this context to lower for `platform` on a host without that device.

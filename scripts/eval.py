@@ -12,6 +12,8 @@ DIR/config.json. Rerun the same command to resume an interrupted run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import re
 import sys
 import time
@@ -68,14 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="default 0 (off)")
     p.add_argument("--batch-size", type=int, help="rows of the batch (default: R); continuous: samples of any "
                    "problem; static: rows per generate call, all of one problem")
-    p.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
-                   help="continuous (default): a row takes the next sample as soon as its sample ends; static: "
-                   "one generate call per chunk of a problem's samples. Same tokens either way")
+    p.add_argument("--scheduler", choices=("continuous", "static"),
+                   help="continuous: a row takes the next sample as soon as its sample ends (the default on one "
+                   "device); static: one generate call per chunk of a problem's samples (the default, and the only "
+                   "choice, on a mesh of several devices or processes). Same tokens either way")
     p.add_argument("--limit", type=int, help="first N problems (default: all; gsm8k: 500)")
     p.add_argument("--seed", type=int, help="default 0")
     p.add_argument("--out", help="output folder (default: runs/<task>/<model name>)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--save-text", action="store_true", help="also store each decoded completion")
+    p.add_argument("--mesh", help="data=D,model=M: rows over D devices, heads over M (default: every device in "
+                   "data, model=1); D x M must be the number of devices of all processes")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0, for a run over several processes (hosts); "
+                   "every process runs the same command with its own --process-id")
+    p.add_argument("--num-processes", type=int, help="processes of a multi-process run")
+    p.add_argument("--process-id", type=int, help="this process's index, 0..num-processes-1")
     return p
 
 
@@ -94,10 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     def warn(msg: str) -> None:
         print(f"{PROG}: warning: {msg}", file=sys.stderr)
 
+    from vase_jax import distributed
     from vase_jax import evaluation as ev
+    from vase_jax.sharding import parse_mesh
     from vase_jax.tasks import get_task
 
     model = f"random:{args.random_model}" if args.random_model else args.model
+    try:  # checked before anything starts: a mesh or process flag that cannot work fails here, in every process
+        mesh_sizes = parse_mesh(args.mesh) if args.mesh else None
+        multi = distributed.check_args(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        return fail(str(e))
+    if multi:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    writer = distributed.is_writer()
     try:
         cfg, problems = ev.resolve(
             model=model, task=args.task, data=args.data, methods=args.methods, budgets=args.budgets,
@@ -105,18 +124,26 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
-            tests_dir=args.tests_dir, scheduler=args.scheduler,
+            tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous",
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out={str(out)!r} exists and is not a folder")
         ev.check_resume(cfg, out)
-        store = ev.RecordStore(out / "records.jsonl", warn=warn)
+        mesh = _mesh(cfg, mesh_sizes)
+        if mesh is not None or multi:  # the continuous engine runs on one device (README, "Continuous batching")
+            if args.scheduler == "continuous":
+                raise ValueError("--scheduler continuous runs on one device; with --mesh or several processes use "
+                                 "--scheduler static (the same tokens)")
+            cfg = dataclasses.replace(cfg, scheduler="static")
+        # only the writer (process 0) reads and writes the records; the others follow its store (runner.run)
+        store = ev.RecordStore(out / "records.jsonl" if writer else os.devnull, warn=warn)
     except (ValueError, OSError) as e:
         return fail(str(e))
-    ev.write_config(cfg, out)
+    if writer:
+        ev.write_config(cfg, out)
     wanted = ev.wanted_keys(cfg, problems)
-    todo = sum(k not in store for k in wanted)
+    todo = sum(not done for done in distributed.agree([k in store for k in wanted]))
     if todo and get_task(cfg.task).grader == "code":  # say once what the sandbox contains, and what not
         from vase_jax.sandbox import SandboxError, probe
 
@@ -130,17 +157,54 @@ def main(argv: list[str] | None = None) -> int:
         try:
             try:
                 tokenizer = ev.load_tokenizer(cfg.model)
-                model = ev.load_model(cfg.model, cfg.dtype)
+                model = ev.load_model(cfg.model, cfg.dtype, mesh)
             except (ValueError, OSError) as e:
                 return fail(f"--model={cfg.model!r}: {e}".replace("\n", " "))
             _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted)
         except KeyboardInterrupt:
             print(f"\n{PROG}: interrupted; rerun the same command to resume", file=sys.stderr)
             return 130
+    if not writer:
+        return 0
     summary = ev.write_summary(cfg, store, wanted, out)
     print(ev.markdown(summary))
     print(f"wrote {out}/summary.md, summary.json, accuracy_vs_budget.png, output_lengths.png, records.jsonl")
     return 0
+
+
+def _mesh(cfg, sizes: dict | None):
+    """The run's mesh over the devices of every process: --mesh, or all of them in `data`. None on one device.
+    ValueError when it does not fit the devices, the rows per call or (for a config known before loading) the
+    model's heads."""
+    import jax
+
+    from vase_jax.sharding import check_mesh, make_mesh
+
+    count = jax.device_count()
+    sizes = sizes or {"data": count, "model": 1}
+    if sizes["data"] * sizes["model"] != count:
+        raise ValueError(f"--mesh data={sizes['data']},model={sizes['model']} has {sizes['data'] * sizes['model']} "
+                         f"devices; this run has {count} (over {jax.process_count()} process(es))")
+    if count == 1:
+        return None
+    mesh = make_mesh(sizes["data"], sizes["model"])
+    model_cfg = _model_config(cfg.model)
+    if model_cfg is not None:  # a hub id is checked when it is loaded (from_pretrained(mesh=))
+        check_mesh(model_cfg, mesh)
+    if cfg.rows % sizes["data"]:
+        raise ValueError(f"mesh data={sizes['data']} does not divide the {cfg.rows} rows per call (--batch-size)")
+    return mesh
+
+
+def _model_config(model: str):
+    """The model's Qwen3Config when it is known without loading anything (random, or a local folder)."""
+    from vase_jax.config import Qwen3Config
+    from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX
+
+    if model.startswith(RANDOM_PREFIX):
+        return RANDOM_MODELS[model[len(RANDOM_PREFIX):]]
+    path = Path(model) / "config.json"
+    return Qwen3Config.from_json_file(path) if path.exists() else None
 
 
 def _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted) -> None:

@@ -18,6 +18,7 @@ uses `fold_in(fold_in(evict_key, l), e)` (then the row id, inside the policy).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -31,6 +32,7 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
 from vase_jax.model import LayerWeights, Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
+from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -202,6 +204,9 @@ def generate(
     [1, config.max_new_tokens]). Prompts longer than `eviction.budget` are kept whole until the row's first
     eviction, which then runs over more than `budget` candidates (as the reference does); the capacity grows to
     hold them.
+
+    A model sharded over a `("data", "model")` mesh (`vase_jax.sharding.shard_model`, or `from_pretrained(...,
+    mesh=)`) runs on that mesh: rows over `data`, heads over `model`; the cache is created sharded the same way.
     """
     args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
     out = _generate(*args)
@@ -264,9 +269,16 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
+    input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
+    row_ids = jnp.asarray(row_ids, jnp.int32)
+    mesh = model_mesh(model)
+    if mesh is not None:  # rows over `data` (checked before anything compiles)
+        check_mesh(model.cfg, mesh, b)
+        rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))
+        input_ids, attention_mask = put(input_ids, rows), put(attention_mask, rows)
+        row_ids = put(row_ids, jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh)))
     graphdef, state = nnx.split(model)
-    return (graphdef, state, input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32), key,
-            jnp.asarray(row_ids, jnp.int32), caps, config, eviction, capacity)
+    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, mesh)
 
 
 def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -290,8 +302,9 @@ def ended(token: jax.Array, num_tokens: jax.Array, cap: jax.Array, config: Gener
 
 
 def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: GenerateConfig, eviction: EvictionConfig,
-                keep_going) -> LoopState:
-    """Decode steps while `keep_going(s)` (a scalar bool) holds, evicting the rows whose trigger fires.
+                keep_going, mesh: jax.sharding.Mesh | None = None) -> LoopState:
+    """Decode steps while `keep_going(s)` (a scalar bool) holds, evicting the rows whose trigger fires. Under a
+    `mesh` the cache keeps its sharding through the loop and each device evicts its own rows and kv heads.
 
     A step feeds `last` of every active row (not done, and the batch has reached its `start` step), samples its
     next token with its own key and step index, and writes it at column `num_tokens` of its output buffer.
@@ -307,6 +320,7 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
     def step(s: LoopState) -> LoopState:
         active = ~s.done & (s.step >= s.start)
         logits, cache = decode_step(model, s.cache.replace(active=active), s.last, impl, layers)
+        cache = constrain_cache(cache, mesh)  # the loop carry keeps the cache's sharding: no reshuffling per step
         token = sample(logits, fold_rows(s.sample_key, s.num_tokens), config.sampling, s.row_ids)
         column = jnp.where(active, s.num_tokens, width)  # inactive rows: out of range, dropped
         tokens = s.tokens.at[rows, column].set(token, mode="drop")
@@ -329,8 +343,10 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
 
         s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
         due = framework.should_evict(s.cache, eviction)
-        cache = jax.lax.cond(due, lambda c: framework.evict(c, eviction, s.evict_key, s.row_ids, impl),
-                             lambda c: c, s.cache)
+        def evict(c: KVCache) -> KVCache:  # per device under a mesh
+            return constrain_cache(framework.evict_per_device(c, eviction, s.evict_key, s.row_ids, impl), mesh)
+
+        cache = jax.lax.cond(due, evict, lambda c: c, s.cache)
         gap = jnp.where(due, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
         return s.replace(cache=cache, events=s.events + due.astype(jnp.int32), min_event_gap=gap,
                          last_event=jnp.where(due, s.step, s.last_event))
@@ -338,16 +354,24 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
     return jax.lax.while_loop(running, segment, s)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10))
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int) -> GenerateOutput:
+              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+    # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+        return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction,
+                              capacity, mesh)
+
+
+def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
+                   eviction: EvictionConfig, capacity: int, mesh) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     sample_key, evict_key = split_keys(key, b)
 
     with jax.named_scope("prefill"):
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
-                                config.attention_impl, framework.slot_state(eviction))
+                                config.attention_impl, framework.slot_state(eviction), mesh)
         first = first_tokens(logits, sample_key, row_ids, config)
     # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
     layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
@@ -356,11 +380,12 @@ def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, co
     phase = cache.seen[0]
     start = framework.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
     ones = jnp.ones((b,), jnp.int32)
-    tokens = jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first)
+    tokens = constrain(jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first),
+                       ("batch", "step"), mesh)
     state0 = LoopState(cache=cache, tokens=tokens, last=first, done=ended(first, ones, caps, config), num_tokens=ones,
                        cap=caps, start=start, sample_key=sample_key, evict_key=evict_key, row_ids=row_ids,
                        step=jnp.int32(0), **no_events())
-    final = decode_loop(model, layers, state0, config, eviction, lambda s: jnp.bool_(True))
+    final = decode_loop(model, layers, state0, config, eviction, lambda s: jnp.bool_(True), mesh)
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=ended_by_token(final, config),
                           evictions=final.events,
                           row_evictions=final.cache.evictions, cache_length=final.cache.length,
@@ -385,17 +410,18 @@ def query_window(eviction: EvictionConfig) -> int:
 
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
-            attention_impl: str = "auto", state: tuple = ()):
+            attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
     `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
-    policy's per-slot state arrays (`framework.slot_state`). The layers run scanned (a prefill reads each weight
+    policy's per-slot state arrays (`framework.slot_state`); `mesh`: create the cache sharded over it
+    (`vase_jax.sharding.cache_specs`). The layers run scanned (a prefill reads each weight
     once, so slicing it out of the stack costs nothing per token).
     """
-    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state)
+    cache = constrain_cache(init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state), mesh)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
                                   attention_impl=attention_impl, last_logits_only=True)
-    return logits[:, -1], cache
+    return logits[:, -1], constrain_cache(cache, mesh)
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto",

@@ -248,11 +248,15 @@ class Qwen3(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
 
     @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None) -> Qwen3:
-        """Load a HF Qwen3 checkpoint folder (safetensors), a hub id, or a folder written by `scripts/convert.py`."""
+    def from_pretrained(cls, path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None,
+                        mesh: jax.sharding.Mesh | None = None) -> Qwen3:
+        """Load a HF Qwen3 checkpoint folder (safetensors), a hub id, or a folder written by `scripts/convert.py`.
+
+        `mesh`: a `("data", "model")` mesh (`vase_jax.sharding.make_mesh`); each weight is read straight into its
+        shards (`vase_jax.sharding.param_shardings`), and `generate` then runs on that mesh."""
         from vase_jax import weights
 
-        cfg, params = weights.load_params(path_or_hub_id, dtype=dtype, revision=revision)
+        cfg, params = weights.load_params(path_or_hub_id, dtype=dtype, revision=revision, mesh=mesh)
         return cls.from_params(cfg, params, dtype)
 
     @classmethod

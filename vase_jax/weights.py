@@ -104,14 +104,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_params(folder: Path, cfg: Qwen3Config, dtype=np.float32) -> dict[tuple, np.ndarray]:
-    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout and `dtype`},
-    layer tensors written into their slice of the stacked arrays as they are read."""
+def index_hf_tensors(folder: Path, cfg: Qwen3Config) -> dict[str, tuple[Path, Entry]]:
+    """HF tensor name -> (its safetensors file, its `Entry`), from the files' headers only (no tensor is read):
+    every tensor checked (no duplicate, unexpected, misshaped or missing one)."""
     from safetensors import safe_open
 
     table = hf_key_map(cfg)
-    dtype = np.dtype(dtype)
-    params = {path: np.empty(shape, dtype) for path, shape in param_shapes(cfg).items()}
+    found: dict[str, tuple[Path, Entry]] = {}
     seen: dict[str, str] = {}
     for file in _safetensors_files(folder):
         with safe_open(str(file), framework="numpy") as fh:
@@ -124,20 +123,63 @@ def read_hf_params(folder: Path, cfg: Qwen3Config, dtype=np.float32) -> dict[tup
                 if name not in table:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not part of a Qwen3 of this config)")
                 entry = table[name]
-                array = fh.get_tensor(name)
-                if tuple(array.shape) != entry.hf_shape:
-                    raise ValueError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(array.shape)}, expected {entry.hf_shape}")
-                target = params[entry.path]
-                if entry.layer is None:
-                    target[...] = entry.to_ours(array).astype(dtype)
-                else:
-                    target[entry.layer] = entry.to_ours(array).astype(dtype)
+                shape = tuple(fh.get_slice(name).get_shape())
+                if shape != entry.hf_shape:
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {shape}, expected {entry.hf_shape}")
+                found[name] = (file, entry)
     missing = sorted(set(table) - set(seen))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{folder}: missing tensor(s) {', '.join(repr(m) for m in missing[:5])}{more}")
+    return found
+
+
+def read_hf_params(folder: Path, cfg: Qwen3Config, dtype=np.float32) -> dict[tuple, np.ndarray]:
+    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout and `dtype`},
+    layer tensors written into their slice of the stacked arrays as they are read."""
+    from safetensors import safe_open
+
+    found = index_hf_tensors(folder, cfg)
+    dtype = np.dtype(dtype)
+    params = {path: np.empty(shape, dtype) for path, shape in param_shapes(cfg).items()}
+    for file in sorted({f for f, _ in found.values()}):
+        with safe_open(str(file), framework="numpy") as fh:
+            for name, (_, entry) in ((n, v) for n, v in found.items() if v[0] == file):
+                target = params[entry.path]
+                array = entry.to_ours(fh.get_tensor(name)).astype(dtype)
+                if entry.layer is None:
+                    target[...] = array
+                else:
+                    target[entry.layer] = array
     return params
+
+
+def read_hf_params_sharded(folder: Path, cfg: Qwen3Config, dtype, shardings: dict) -> dict[tuple, jax.Array]:
+    """Like `read_hf_params`, but every parameter is a `jax.Array` placed with `shardings[path]` as it is read:
+    each device's shard is cut from the tensors it covers (one HF tensor, i.e. one layer of one weight, on the
+    host at a time), so no device and no host ever holds the whole model. With several processes each reads only
+    the shards of its own devices."""
+    from safetensors import safe_open
+
+    found = index_hf_tensors(folder, cfg)
+    dtype = np.dtype(dtype)
+    sources: dict[tuple, dict] = {}
+    for name, (file, entry) in found.items():
+        sources.setdefault(entry.path, {})[entry.layer] = (file, name, entry)
+
+    def read(source) -> np.ndarray:  # one HF tensor in our layout
+        file, name, entry = source
+        with safe_open(str(file), framework="numpy") as fh:
+            return entry.to_ours(fh.get_tensor(name))
+
+    def shard(path: tuple, shape: tuple, index: tuple) -> np.ndarray:
+        if path[0] != "layers":
+            return np.asarray(read(sources[path][None])[index], dtype)
+        layers = range(*index[0].indices(shape[0]))
+        return np.stack([np.asarray(read(sources[path][i])[index[1:]], dtype) for i in layers])
+
+    return {path: jax.make_array_from_callback(shape, shardings[path], functools.partial(shard, path, shape))
+            for path, shape in param_shapes(cfg).items()}
 
 
 def hf_state_dict(params: dict[tuple, np.ndarray], cfg: Qwen3Config) -> dict[str, np.ndarray]:
@@ -156,15 +198,25 @@ def flat_params(model) -> dict[tuple, jax.Array]:
     return {path: var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def load_params(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None):
-    """(config, {parameter path: array}) of a HF checkpoint folder, a hub id, or a `scripts/convert.py` folder."""
+def load_params(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None = None, mesh=None):
+    """(config, {parameter path: array}) of a HF checkpoint folder, a hub id, or a `scripts/convert.py` folder.
+
+    `mesh` (a `("data", "model")` mesh, `vase_jax.sharding`): every array is placed with its sharding as it is
+    read (`read_hf_params_sharded`, or orbax restoring into target shardings); checked against `cfg` first."""
     folder = resolve_checkpoint(path_or_hub_id, revision)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ValueError(f"{folder}: no config.json")
     cfg = Qwen3Config.from_json_file(config_file)
+    shardings = None
+    if mesh is not None:
+        from vase_jax.sharding import param_shardings
+
+        shardings = param_shardings(cfg, mesh)
     if (folder / ORBAX_MARKER).exists():
-        return cfg, restore_orbax(folder, cfg, dtype)
+        return cfg, restore_orbax(folder, cfg, dtype, shardings)
+    if shardings is not None:
+        return cfg, read_hf_params_sharded(folder, cfg, jnp.dtype(dtype), shardings)
     return cfg, read_hf_params(folder, cfg, jnp.dtype(dtype))
 
 
@@ -191,8 +243,9 @@ def save_orbax(model, out_dir: str | os.PathLike, *, source: str | os.PathLike |
     return out
 
 
-def restore_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict[tuple, jax.Array]:
-    """{parameter path: array} restored from a `save_orbax` folder, in `dtype`."""
+def restore_orbax(folder: Path, cfg: Qwen3Config, dtype, shardings: dict | None = None) -> dict[tuple, jax.Array]:
+    """{parameter path: array} restored from a `save_orbax` folder, in `dtype`; with `shardings` ({path:
+    sharding}) orbax reads each array straight into its shards."""
     import orbax.checkpoint as ocp
 
     with open(folder / ORBAX_MARKER) as fh:
@@ -205,6 +258,6 @@ def restore_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict[tuple, jax.Arra
         node = target
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = jax.ShapeDtypeStruct(shape, dtype)
+        node[path[-1]] = jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[path] if shardings else None)
     restored = ocp.StandardCheckpointer().restore(Path(folder).absolute() / "params", target)
     return {path: functools.reduce(lambda node, part: node[part], path, restored) for path in param_shapes(cfg)}

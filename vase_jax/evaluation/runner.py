@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vase_jax import distributed
 from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
 from vase_jax.evaluation.records import Key, RecordStore
 from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
@@ -44,17 +45,19 @@ def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), stable_id(task, problem_id))
 
 
-def load_model(model: str, dtype: str):
+def load_model(model: str, dtype: str, mesh=None):
     """`Qwen3.from_pretrained(model)`, or for "random:<name>" a random Qwen3 (`vase_jax.random_model`, seed 0,
     output head scaled by `HEAD_SCALE` so that its next-token distribution is peaked like a trained model's and
-    top-p keeps few tokens)."""
+    top-p keeps few tokens). `mesh`: sharded over it (`vase_jax.sharding`), so that `generate` runs on it."""
     import vase_jax as vj
 
     if not model.startswith(RANDOM_PREFIX):
-        return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype))
+        return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype), mesh=mesh)
     from vase_jax.random_model import HEAD_SCALE, random_model
+    from vase_jax.sharding import shard_model
 
-    return random_model(RANDOM_MODELS[model[len(RANDOM_PREFIX):]], getattr(jnp, dtype), head_scale=HEAD_SCALE)
+    built = random_model(RANDOM_MODELS[model[len(RANDOM_PREFIX):]], getattr(jnp, dtype), head_scale=HEAD_SCALE)
+    return built if mesh is None else shard_model(built, mesh)
 
 
 def load_tokenizer(model: str):
@@ -101,7 +104,7 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
     out = vj.generate(model, ids, mask, key=key, config=cfg.generate_config(gen_tokens),
                       eviction=cfg.eviction(chunk.method, chunk.budget), row_ids=jnp.asarray(row_ids),
                       max_new_tokens=np.full((cfg.rows,), cap, np.int32))  # rows stop at the exact cap
-    tokens, num, finished, evictions = jax.device_get(
+    tokens, num, finished, evictions = distributed.fetch(
         (out.tokens, out.num_tokens, out.finished, out.row_evictions))  # [rows, gen_tokens], [rows] x 3
     seconds = time.perf_counter() - t0
     records = []
@@ -146,6 +149,9 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
     mixed) or "static" (every chunk of `plan` as one `generate` call). `progress(new_records, problem_id or
     None)` is called after each chunk or record, with the problem's id when the problem has no sample left to
     run. Returns the samples generated.
+
+    Several processes (`vase_jax.distributed`): all run every generate call together; what is done is the
+    writer's store, and only the writer appends records.
     """
     import vase_jax as vj
 
@@ -158,8 +164,10 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
     encoded: dict[str, vj.PromptBatch] = {}
     generated = 0
     chunks = plan(cfg, problems)
+    keys = wanted_keys(cfg, problems)
+    done = {k for k, d in zip(keys, distributed.agree([k in store for k in keys]), strict=True) if d}
     for i, chunk in enumerate(chunks):
-        missing = [s for s in chunk.samples if (chunk.problem.id, s, chunk.method, chunk.budget) not in store]
+        missing = [s for s in chunk.samples if (chunk.problem.id, s, chunk.method, chunk.budget) not in done]
         last_of_problem = i + 1 == len(chunks) or chunks[i + 1].problem.id != chunk.problem.id
         new: list[dict] = []
         if missing:
@@ -168,7 +176,9 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
                 encoded = {chunk.problem.id: vj.encode_prompts(tokenizer, [prompt])}
             new = [r for r in run_chunk(model, tokenizer, cfg, chunk, encoded[chunk.problem.id])
                    if r["sample"] in missing]
-            store.append(new)
+            if distributed.is_writer():
+                store.append(new)
+            done.update((r["problem_id"], r["sample"], r["method"], r["budget"]) for r in new)
             generated += len(new)
         if progress is not None:
             progress(new, chunk.problem.id if last_of_problem else None)

@@ -160,6 +160,32 @@ def select_layer(
     return run_policy(inputs, eviction, key)
 
 
+def evict_per_device(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
+                     attention_impl: str = "auto") -> KVCache:
+    """`evict`, run per device inside `shard_map` when a mesh is set for tracing (`generate` under a mesh).
+
+    Eviction is per (row, kv head), so each device evicts its own rows and kv heads with no communication (the
+    SPMD partitioner would gather the candidates' scores of all rows and heads around `top_k` and scatters). A
+    shared key is replicated, per-row keys are split like the rows; random streams are keyed by row id (`row_ids`
+    is split like the rows) and global kv-head index (`sharding.local_kv_heads`), so every mesh evicts exactly what
+    one device does. Without a mesh: `evict`.
+    """
+    from vase_jax.sharding import cache_specs
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return evict(cache, eviction, key, row_ids, attention_impl)
+    specs = cache_specs(cache, mesh)
+    rows = jax.sharding.PartitionSpec("data" if "data" in mesh.axis_names else None)
+
+    def local(c, k, r):
+        return evict(c, eviction, k, r, attention_impl)
+
+    key_spec = rows if jnp.ndim(key) == 1 else jax.sharding.PartitionSpec()  # one key per row: split like the rows
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, key_spec, rows), out_specs=specs,
+                         check_vma=False)(cache, key, row_ids)
+
+
 def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
           attention_impl: str = "auto", rows: jax.Array | None = None) -> KVCache:
     """One eviction event over every layer, for the `rows` [batch] bool (default: `rows_to_evict`); the other

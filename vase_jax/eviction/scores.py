@@ -20,6 +20,7 @@ from jax import lax
 
 from vase_jax.eviction.window_score import window_score
 from vase_jax.sampling import fold_rows
+from vase_jax.sharding import local_kv_heads
 
 MAGNITUDES = ("range", "l2", "var")
 
@@ -275,14 +276,16 @@ def position_gumbel(key: jax.Array, row_ids: jax.Array, pos: jax.Array) -> jax.A
     """Gumbel(0, 1) noise [b, h, L] float32 keyed by (row id, absolute position, kv head), not by slot.
 
     noise[b, h, j] = gumbel(fold_in(fold_in(key, row_ids[b]), pos[b, h, j]), (kv_heads,))[h], so the same
-    token draws the same noise whatever its slot, the padding and the other rows of the batch. Invalid slots
+    token draws the same noise whatever its slot, the padding, the other rows of the batch and the mesh (per
+    device, h is the global number of kv heads and hh the global index: `sharding.local_kv_heads`). Invalid slots
     (pos < 0) get the noise of position 0: they must be masked out by the caller.
     """
     b, h, length = pos.shape
+    heads, num_heads = local_kv_heads(h)  # under a mesh, per device: the global index of each local head
     rk = jnp.broadcast_to(row_keys(key, row_ids)[:, None], (b, h * length)).reshape(-1)  # [b*h*L] keys
     token_keys = jax.vmap(jax.random.fold_in)(rk, jnp.maximum(pos, 0).reshape(-1))  # [b*h*L]
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (h,), _F32))(token_keys).reshape(b, h, length, h)
-    return jnp.take_along_axis(g, jnp.arange(h)[None, :, None, None], axis=3)[..., 0]  # head hh: component hh
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (num_heads,), _F32))(token_keys).reshape(b, h, length, num_heads)
+    return jnp.take_along_axis(g, heads[None, :, None, None], axis=3)[..., 0]  # head hh: component hh
 
 
 def check_candidates(num_candidates: int, kept: int, method: str) -> None:
