@@ -108,7 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--spread-samples", type=int, default=0,
       help="> 0: instead of the runs above, the spread workload: this many samples whose output lengths are "
            "drawn uniformly from [L/16, L] (L = the first --output-lens), on --batch rows, static (generate per "
-           "chunk of --batch samples) vs continuous (vase_jax.batching): tokens/s, row utilization, evictions")
+           "chunk of --batch samples) vs continuous (vase_jax.batching), --repeats times alternating: median "
+           "tokens/s, row utilization, evictions")
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")
@@ -595,21 +596,31 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
     runs = []
     for ev in configs:
         row = {"engine": "vase_jax", "method": ev.method, "budget": ev.budget if ev.evicts else None}
-        for name, fn in (("static", run_static), ("continuous", run_continuous)):
-            k = min(args.batch, len(caps))  # compile first (untimed), on the first chunk
+        schedulers = (("static", run_static), ("continuous", run_continuous))
+        k = min(args.batch, len(caps))
+        for _, fn in schedulers:  # compile first (untimed), on the first chunk
             fn(model, prompts[:k], keys[:k], caps[:k], args.batch, config, ev)
-            start = time.perf_counter()
-            r = fn(model, prompts, keys, caps, args.batch, config, ev)
-            r["seconds"] = time.perf_counter() - start
-            r["tok_s"] = r["tokens"] / r["seconds"]
+        seconds: dict[str, list[float]] = {name: [] for name, _ in schedulers}
+        for _ in range(args.repeats):  # alternating, so that a change of machine load hits both alike
+            for name, fn in schedulers:
+                start = time.perf_counter()
+                row[name] = fn(model, prompts, keys, caps, args.batch, config, ev)
+                seconds[name].append(time.perf_counter() - start)
+        for name, _ in schedulers:
+            r = row[name]
+            r["seconds"] = vb.Stat.of(seconds[name]).as_dict()
+            r["tok_s"] = r["tokens"] / r["seconds"]["median"]
             r["events_per_1k_tokens"] = 1e3 * r["events"] / r["tokens"]
-            row[name] = r
+        # per repeat, continuous over the static run next to it
+        row["speedup_runs"] = [a / b for a, b in zip(seconds["static"], seconds["continuous"], strict=True)]
         row["speedup"] = row["continuous"]["tok_s"] / row["static"]["tok_s"]
+        # the speed-up at equal cost per step: what the schedules alone give, whatever the machine's load
+        row["step_ratio"] = row["static"]["steps"] / row["continuous"]["steps"]
         runs.append(row)
         s, c = row["static"], row["continuous"]
         print(f"{label(row):>20} static {s['tok_s']:.1f} tok/s (util {s['utilization']:.2f}, {s['events']} events)"
               f" | continuous {c['tok_s']:.1f} tok/s (util {c['utilization']:.2f}, {c['events']} events) | "
-              f"{row['speedup']:.2f}x", flush=True)
+              f"{row['speedup']:.2f}x (steps {row['step_ratio']:.2f}x)", flush=True)
     result = {"meta": {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
                        "batch": args.batch, "prompt_len": args.prompt_len, "longest": longest,
                        "samples": len(caps), "mean_output": float(caps.mean()), "cpu_model": vb.cpu_model(),
@@ -617,12 +628,13 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
                        "load_start": [round(x, 2) for x in load_start],
                        "load_end": [round(x, 2) for x in os.getloadavg()]},
               "spread": runs}
-    lines = ["| method | static tok/s | static util | continuous tok/s | continuous util | speed-up | "
-             "events/1k tok static | continuous |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | static tok/s | static util | continuous tok/s | continuous util | speed-up | step ratio | "
+             "events/1k tok static | continuous |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s, c = r["static"], r["continuous"]
         lines.append(f"| {label(r)} | {s['tok_s']:.1f} | {s['utilization']:.2f} | {c['tok_s']:.1f} | "
-                     f"{c['utilization']:.2f} | {r['speedup']:.2f}x | {s['events_per_1k_tokens']:.2f} | "
+                     f"{c['utilization']:.2f} | {r['speedup']:.2f}x | {r['step_ratio']:.2f}x | "
+                     f"{s['events_per_1k_tokens']:.2f} | "
                      f"{c['events_per_1k_tokens']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -189,5 +189,6 @@ def test_spread_workload_static_vs_continuous(tmp_path):
         assert s["tokens"] == c["tokens"] == int(lengths.sum())
         assert 0 < s["utilization"] <= 1 and 0 < c["utilization"] <= 1
         assert s["tok_s"] > 0 and c["tok_s"] > 0 and r["speedup"] > 0
+        assert r["step_ratio"] == s["steps"] / c["steps"]
         assert (s["events"] > 0 and c["events"] > 0) == (r["method"] == "vase_dkv")
     assert (tmp_path / "results.md").read_text().startswith("| method |")

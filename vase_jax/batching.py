@@ -162,7 +162,7 @@ def _run(graphdef, state, s: LoopState, reported, config: GenerateConfig, evicti
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far by the engine: {"prefill": one per (bucket, settings), "admit", "decode"}."""
     return {"prefill": _prefill_row._cache_size(), "admit": _admit._cache_size(), "decode": _run._cache_size(),
-            "init": _init_state._cache_size()}
+            "init": _init_state._cache_size(), "result": _row_result._cache_size()}
 
 
 def run(
@@ -224,9 +224,8 @@ def run(
         stats.segments += 1
         done, num, step = jax.device_get((s.done, s.num_tokens, s.step))
         for row in np.flatnonzero(done & ~reported):
-            tokens, finished, evictions = jax.device_get(
-                (s.tokens[row, : int(num[row])], _ends_with_eos(s, row, config), s.cache.evictions[row]))
-            result = Result(tags[row], np.asarray(tokens), bool(finished), int(evictions),
+            tokens, finished, evictions = jax.device_get(_row_result(s, jnp.int32(row), config))
+            result = Result(tags[row], np.asarray(tokens)[: int(num[row])], bool(finished), int(evictions),
                             time.perf_counter() - admitted[row])
             results.append(result)
             stats.useful_row_steps += int(num[row]) - 1  # token 0 comes from the prefill
@@ -243,6 +242,10 @@ def run(
     return results
 
 
-def _ends_with_eos(s: LoopState, row: int, config: GenerateConfig) -> jax.Array:
-    last = s.tokens[row, jnp.maximum(s.num_tokens[row] - 1, 0)]
-    return jnp.isin(last, jnp.asarray(config.eos_token_ids or (-1,), jnp.int32))
+@functools.partial(jax.jit, static_argnums=(2,))
+def _row_result(s: LoopState, row, config: GenerateConfig):
+    """Row `row`'s output buffer [max_new_tokens], whether its last token is an end token, and its evictions (one
+    program for every row: slicing the buffer to the row's length on the host compiles nothing)."""
+    tokens = s.tokens[row]
+    last = tokens[jnp.maximum(s.num_tokens[row] - 1, 0)]
+    return tokens, jnp.isin(last, jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)), s.cache.evictions[row]
