@@ -306,3 +306,17 @@ def test_lowers_for_cuda_and_tpu_under_a_mesh():
     """)
     assert result["cuda"] == dict(triton=True, mosaic=False, manual=True), result
     assert result["tpu"] == dict(triton=False, mosaic=True, manual=True), result
+
+
+def test_pallas_kernels_per_device_match_one_device():
+    """attention_impl="pallas" (the Triton kernels in interpret mode on CPU): decode attention and the window
+    score run per device inside shard_map on a (2, 4) mesh and give the tokens of one device, with evictions."""
+    result = run_devices("""
+        conf, ev = config(True, attention_impl="pallas"), eviction("vase_attnv")
+        ref = vj.generate(model, ids, mask, key=jax.random.key(3), config=conf, eviction=ev)
+        out = vj.generate(shard_model(model, make_mesh(2, 4)), ids, mask, key=jax.random.key(3), config=conf,
+                          eviction=ev)
+        print(json.dumps(dict(same=bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all()),
+                              evictions=int(out.evictions))))
+    """)
+    assert result["same"] and result["evictions"] >= 3, result
