@@ -101,7 +101,7 @@ def test_check_mesh_errors():
 
 
 def test_cache_specs_follow_axis_names():
-    """Derived from CACHE_AXES / STATE_AXES: batch -> data, kv heads -> model, scalar counters replicated."""
+    """Derived from CACHE_AXES / STATE_AXES: batch -> data, kv heads -> model; per-row counters over data."""
     cache = jax.eval_shape(lambda: init_cache(TINY, 4, 64, 8, jnp.float32, (SlotState("acc"),)))
     specs = cache_specs(cache)
     assert specs.k == specs.v == P(None, "data", "model", None, None)
@@ -110,8 +110,8 @@ def test_cache_specs_follow_axis_names():
     assert specs.query_valid == P("data", None)
     assert specs.row_pos == P("data")
     assert specs.state == {"acc": P(None, "data", "model", None)}
-    for name in ("length", "seen", "time", "evictions"):
-        assert getattr(specs, name) == P()
+    for name in ("length", "seen", "evictions", "active"):  # one per row
+        assert getattr(specs, name) == P("data")
 
 
 def test_per_device_bytes():
@@ -271,7 +271,9 @@ def test_plan_script_counts_per_device_bytes():
     cap, window = out["capacity"], 16  # bf16; the query ring of vase_attnv holds `buffer` queries
     per_row_head = cfg.num_layers * cap * (2 * cfg.head_dim * 2 + 4) + cfg.num_layers * cfg.group * window * \
         cfg.head_dim * 2  # k, v, pos, queries per (row, kv head)
-    cache = per_row_head * 4 * cfg.num_kv_heads // 4 + (4 * window + 4 * 4) // 2 + 4 * 4  # rows/heads over 4 devices
+    # rows and heads over 4 devices; per row over 2: query_valid [4, window] bool, row_pos, length, seen,
+    # evictions [4] int32, active [4] bool
+    cache = per_row_head * 4 * cfg.num_kv_heads // 4 + (4 * window + 4 * 4 * 4 + 4) // 2
     got = out["per_device_bytes"]
     assert got["weights"] == weights
     assert got["cache"] == cache

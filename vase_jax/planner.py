@@ -52,7 +52,7 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     shape = dict(mesh.shape)
     config = GenerateConfig(max_new_tokens=max_new_tokens, layer_loop="scan", attention_impl="xla")
     t = config.bucket(prompt_len)
-    capacity = framework.capacity_for(eviction, t, 0, max_new_tokens)
+    capacity = framework.capacity_for(eviction, t, max_new_tokens)
     specs = param_specs(cfg, mesh)
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = nnx.to_flat_state(nnx.state(abstract))
@@ -74,7 +74,8 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     state = nnx.from_flat_state(flat)
     ids = sharded(jax.ShapeDtypeStruct((batch, t), jnp.int32), spec_for(("batch", "seq"), mesh))
     rows = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))
-    compiled = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), rows, config, eviction, capacity,
+    caps = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))  # per-row token caps
+    compiled = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), rows, caps, config, eviction, capacity,
                                mesh).compile()
     m = compiled.memory_analysis()
     return MemoryPlan(weights, cache_bytes, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
