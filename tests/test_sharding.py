@@ -80,10 +80,10 @@ def test_rules_table():
     specs = param_specs(TINY)
     assert set(specs) == set(PARAM_AXES)
     assert specs[("embedding",)] == P("model", None)
-    assert specs[("lm_head",)] == P(None, "model")
-    assert specs[("layers", "q_proj")] == P(None, None, "model", None)
-    assert specs[("layers", "o_proj")] == P(None, "model", None, None)
-    assert specs[("layers", "down_proj")] == P(None, "model", None)
+    assert specs[("lm_head",)] == P("model", None)  # [vocab, embed]
+    assert specs[("layers", "q_proj")] == P(None, "model", None, None)  # [layers, q_heads, head_dim, embed]
+    assert specs[("layers", "o_proj")] == P(None, None, "model", None)  # [layers, embed, q_heads, head_dim]
+    assert specs[("layers", "down_proj")] == P(None, None, "model")  # [layers, embed, mlp]
     assert specs[("layers", "q_norm")] == P(None, None)
 
 
@@ -188,7 +188,7 @@ def test_mesh_hlo_keeps_eviction_local_and_bad_input():
             except ValueError as e:
                 errors[name] = str(e)
         from vase_jax.eviction import framework
-        capacity = framework.capacity_for(ev, 32, 12, conf.max_new_tokens)
+        capacity = framework.capacity_for(ev, 32, conf.max_new_tokens)  # as generate: the prompt bucket
         print(json.dumps(dict(collectives=collectives, errors=errors, capacity=capacity)))
     """)
     capacity = result["capacity"]  # slots; candidates: capacity - buffer

@@ -16,6 +16,7 @@ kv heads. `data` must divide the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -138,7 +139,10 @@ def cache_specs(cache, mesh: Mesh | None = None):
     cache may add without naming their axes) is replicated.
     """
     fields = {}
-    for name, value in vars(cache).items():
+    for field in dataclasses.fields(cache):
+        name, value = field.name, getattr(cache, field.name)
+        if not field.metadata.get("pytree_node", True):  # static metadata (state_specs, dtype)
+            continue
         if name == "state":
             fields[name] = {k: spec_for(STATE_AXES, mesh) for k in value}
         elif name in CACHE_AXES and getattr(value, "ndim", None) == len(CACHE_AXES[name]):
