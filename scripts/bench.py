@@ -549,6 +549,15 @@ def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], 
 
 
 # ---- main --------------------------------------------------------------------------------------------------
+def write_results(out_dir: str | None, result: dict, text: str) -> None:
+    """results.json and results.md in `out_dir` (created), when one is given."""
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        (out / "results.md").write_text(text)
+
+
 # ---- the spread workload: static vs continuous batching ------------------------------------------------------
 def spread_caps(samples: int, longest: int, seed: int) -> np.ndarray:
     """Output lengths drawn uniformly from [L/16, L] (integers), one per sample."""
@@ -638,11 +647,7 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
                      f"{c['events_per_1k_tokens']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
-        (out / "results.md").write_text(text)
+    write_results(args.out, result, text)
     return 0
 
 
@@ -733,13 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = markdown(result)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
-        (out / "results.md").write_text(text)
-        if not args.no_plots:
-            plots(result, out)
+    write_results(args.out, result, text)
+    if args.out and not args.no_plots:
+        plots(result, Path(args.out))
     return 0
 
 

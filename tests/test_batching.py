@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_eviction_framework import reference_schedule  # the authors' trigger, one sequence
 
 import vase_jax as vj
 from vase_jax import batching
@@ -24,17 +25,6 @@ N, B = 64, 16
 LENGTHS = (20, 37, 50, 9, 61, 33, 44, 12, 58, 27)  # mixed prompt lengths (one bucket: 64)
 CAPS = (90, 40, 130, 70, 25, 110, 60, 130, 85, 15)  # per-sample caps: rows end at different steps
 MAX_NEW = 130
-
-
-def reference_schedule(prompt_len: int, decode_steps: int, budget: int, buffer: int) -> list[int]:
-    """The reference trigger (VaSE `post_attention_update`) for one sequence: cur_len at each eviction."""
-    cur, events = prompt_len, []
-    for _ in range(decode_steps):
-        cur += 1
-        if cur > budget and cur % buffer == 0:
-            events.append(cur)
-            cur = budget
-    return events
 
 
 @pytest.fixture(scope="module")

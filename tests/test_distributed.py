@@ -4,7 +4,6 @@ mesh / process flags fail with one clear line before anything is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_eval import _load_script  # scripts/eval.py as a module
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "eval.py"
@@ -24,13 +24,6 @@ PROBLEMS = [  # gsm8k format, one prompt bucket
 ]
 SAMPLES = 8  # rows per call: one per device of the two processes (the default mesh: every device in data)
 VOLATILE = ("seconds",)  # wall-clock
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("eval_script_dist", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

@@ -77,13 +77,6 @@ def stores_bits(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
 
 
-def update_slice(x: jax.Array, update: jax.Array, starts: tuple, dtype=None) -> jax.Array:
-    """`lax.dynamic_update_slice(x, update, starts)`, in place; `update` is cast to `dtype` (default x's) and, when
-    x holds bits (uint16), stored as its bits."""
-    update = update.astype(x.dtype if dtype is None else dtype)
-    return jax.lax.dynamic_update_slice(x, as_bits(update) if x.dtype == jnp.uint16 else update, starts)
-
-
 def stored(x: jax.Array, cache: KVCache) -> jax.Array:
     """x as the cache stores its keys, values and queries: cast to its float dtype, as bits if it keeps bits."""
     x = x.astype(cache.float_dtype)
@@ -205,10 +198,9 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
     pad = _padding(token_mask)  # [batch]
-    dtype = cache.float_dtype
     new = cache.replace(
-        k=update_slice(cache.k, _unpad(k, pad, 2)[None], (layer, 0, 0, 0, 0), dtype),
-        v=update_slice(cache.v, _unpad(v, pad, 2)[None], (layer, 0, 0, 0, 0), dtype),
+        k=jax.lax.dynamic_update_slice(cache.k, stored(_unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, stored(_unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
     )
     if cache.window:
         t = k.shape[2]
@@ -216,7 +208,8 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
         src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
         ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
         ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
-        new = new.replace(queries=update_slice(cache.queries, ring[None], (layer, 0, 0, 0, 0, 0), dtype))
+        new = new.replace(queries=jax.lax.dynamic_update_slice(cache.queries, stored(ring[None], cache),
+                                                                (layer, 0, 0, 0, 0, 0)))
     return new
 
 
