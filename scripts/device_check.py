@@ -9,7 +9,9 @@ Phases, each in its own process (a TPU belongs to one process at a time; a GPU's
               with the kernels against the XLA path's greedy tokens)
   2. kernels  scripts/bench_kernels.py: decode attention and window scores, XLA vs the platform's kernel, GB/s
               against the device's measured copy bandwidth, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
-  3. decode   a Qwen3-8B-shaped random model in bfloat16 at batch 16: decode tokens/s at 4k and 16k generated
+  3. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape in bfloat16, batch
+              16, 64 samples with output lengths uniform over [32, 512], vase_dkv at N = 128
+  4. decode   a Qwen3-8B-shaped random model in bfloat16 at batch 16: decode tokens/s at 4k and 16k generated
               tokens for full, vase_dkv and vase_attnv at N = 2048 (B = 64). Each figure times `decode_step`s in a
               compiled loop on a cache holding what `generate` holds at that point (full: prompt + tokens slots;
               eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
@@ -81,7 +83,7 @@ def decode_benchmark(
     attention_impl: str = "auto",
     deadline: float | None = None,
     json_path: str | None = None,
-    bandwidth_mib: int = 1024,
+    bandwidth_mib: int = 8192,  # large enough that one pass (ms) dwarfs a call's dispatch and sync
 ) -> dict:
     """Decode tokens/s of `methods` at the cache state after each of `lengths` generated tokens (module docstring).
 
@@ -222,6 +224,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['method']} | {r['tokens']} | {r['live_slots']} | {r['step_ms']:.2f} | "
                          f"{_fmt(r.get('evict_ms'), 2)} | {r['tokens_per_s']:.0f} | {r['bound_tokens_per_s']:.0f} | "
                          f"{r['achieved_over_bound']:.2f} |")
+    spread = report["phases"].get("spread", {}).get("table")
+    if spread:
+        lines += ["", "## Continuous vs static batching (qwen3-0.6b shape, bf16, batch 16, spread outputs "
+                  "over [32, 512])", "", spread.strip()]
     targets = report.get("targets", {})
     if targets:
         lines += ["", "## Targets", ""] + [f"- {k}: {v}" for k, v in targets.items()]
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="device_check", help="folder for device_check.json and device_check.md")
     p.add_argument("--budget-s", type=float, default=470.0, help="time for all phases together")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: tests, kernels, decode")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: tests, kernels, spread, decode")
     p.add_argument("--layers", type=int, default=None, help="decode phase: layers of the model (default: all 36)")
     p.add_argument("--phase", choices=("decode",), default=None, help=argparse.SUPPRESS)  # child process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -301,14 +307,26 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" not in skip:
         path = os.path.join(args.out, "kernels.json")
         cmd = [sys.executable, "scripts/bench_kernels.py", "--batches", "1,16", "--lengths", "1024,4096,16384",
-               "--group", "4", "--kv-heads", "8", "--repeats", "5", "--json", path]
+               "--group", "4", "--kv-heads", "8", "--repeats", "5", "--copy-mib", "8192", "--json", path]
         phase = _run(cmd, min(90.0, remaining() - 220))
         phase["status"] = "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
         if os.path.exists(path):
             with open(path) as f:
                 phase["results"] = json.load(f)
         report["phases"]["kernels"] = phase
-    # 3. decode benchmark
+    # 3. continuous vs static batching on the spread workload (scripts/bench.py --spread-samples)
+    if "spread" not in skip:
+        folder = os.path.join(args.out, "spread")
+        cmd = [sys.executable, "scripts/bench.py", "--model", "qwen3-0.6b", "--dtype", "bfloat16", "--batch", "16",
+               "--prompt-len", "64", "--output-lens", "512", "--spread-samples", "64", "--methods", "vase_dkv",
+               "--budgets", "128", "--buffer", "32", "--repeats", "3", "--out", folder, "--no-plots"]
+        phase = _run(cmd, min(110.0, remaining() - 180))
+        phase["status"] = "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
+        if os.path.exists(os.path.join(folder, "results.md")):
+            with open(os.path.join(folder, "results.md")) as f:
+                phase["table"] = f.read()
+        report["phases"]["spread"] = phase
+    # 4. decode benchmark
     if "decode" not in skip:
         path = os.path.join(args.out, "decode.json")
         child_deadline = time.time() + remaining() - 20  # the child stops starting new figures here

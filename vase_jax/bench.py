@@ -249,14 +249,15 @@ def filled_cache(
     shapes = cache_shapes(cfg, batch, capacity, window)
     slot = jnp.arange(capacity, dtype=jnp.int32)
 
-    def stored(x: jax.Array) -> jax.Array:  # stored as `init_cache` stores it (bits for 16-bit floats on CPU)
-        x = x.astype(dtype)
+    def stored(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """Standard normals drawn in `dtype` itself (a float32 draw would hold twice the cache while filling),
+        stored as `init_cache` stores them (bits for 16-bit floats on CPU)."""
+        x = jax.random.normal(key, shape, dtype)
         return as_bits(x) if stores_bits(dtype) else x
 
-    return KVCache(k=stored(jax.random.normal(kk, shapes["k"], jnp.float32)),
-                   v=stored(jax.random.normal(kv, shapes["v"], jnp.float32)),
+    return KVCache(k=stored(kk, shapes["k"]), v=stored(kv, shapes["v"]),
                    pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), shapes["pos"]),
-                   queries=stored(jax.random.normal(kq, shapes["queries"], jnp.float32)), dtype=jnp.dtype(dtype),
+                   queries=stored(kq, shapes["queries"]), dtype=jnp.dtype(dtype),
                    query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
                    length=jnp.full((batch,), length, jnp.int32), seen=jnp.full((batch,), length, jnp.int32),
                    evictions=jnp.zeros((batch,), jnp.int32), active=jnp.ones((batch,), bool),
