@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from hlo_utils import per_step_copies
 from test_eviction_framework import reference_schedule  # the authors' trigger, one sequence
 
 import vase_jax as vj
@@ -73,10 +75,12 @@ def test_tokens_identical_static_and_continuous_any_batch_size(model, samples, m
     assert any(len(t) == c for t, c in zip(static, CAPS, strict=True))  # ended by its cap
     if ev.evicts:
         assert int(np.asarray(out.row_evictions).min()) == 0 and int(np.asarray(out.row_evictions).max()) >= 4
-    for rows in (1, 3, 8):
+    for rows, queue in ((1, None), (3, None), (8, None), (3, 4)):
         stats = batching.EngineStats()
-        results = batching.run(model, requests(samples), rows=rows, config=cfg, eviction=ev, stats=stats)
+        results = batching.run(model, requests(samples), rows=rows, config=cfg, eviction=ev, stats=stats, queue=queue)
         assert sorted(r.tag for r in results) == list(range(len(LENGTHS)))
+        # one host round trip per `queue` samples staged
+        assert stats.segments == -(-len(LENGTHS) // max(queue or rows, 2)), stats
         for r in results:
             np.testing.assert_array_equal(r.tokens, static[r.tag], err_msg=f"rows={rows} sample {r.tag}")
             assert r.evictions == int(out.row_evictions[r.tag])
@@ -149,6 +153,8 @@ def test_bad_input_raises_before_compiling(model, samples):
         batching.run(model, [batching.Request((1, 2), jax.random.key(0), 0, 0)], rows=2, config=cfg)
     with pytest.raises(ValueError, match="max_new_tokens"):
         batching.run(model, [batching.Request((1, 2), jax.random.key(0), 0, 21)], rows=2, config=cfg)
+    with pytest.raises(ValueError, match="queue"):
+        batching.run(model, reqs, rows=2, config=cfg, queue=0)
     assert batching.compile_counts() == before
     ids = np.ones((3, 4), np.int32)
     before = _generate._cache_size()
@@ -157,3 +163,22 @@ def test_bad_input_raises_before_compiling(model, samples):
         with pytest.raises(ValueError, match=what):
             vj.generate(model, ids, ids, key=jax.random.key(0), config=cfg, max_new_tokens=caps)
     assert _generate._cache_size() == before
+
+
+@pytest.mark.parametrize("method", ["full", "vase_attnv"])
+def test_engine_rounds_copy_no_cache(model, method):
+    """Neither a decode step nor an admission inside the engine's round copies a cache-sized array (the loop state
+    is carried in place; admissions write one row)."""
+    ev = vj.EvictionConfig(method, budget=N, buffer=B)
+    cfg = vj.GenerateConfig(max_new_tokens=MAX_NEW, eos_token_ids=())
+    capacity = framework.capacity_for(ev, 64, MAX_NEW)
+    graphdef, params = nnx.split(model)
+    e = batching._init_state(model.cfg, model.dtype, 4, 4, cfg, ev, capacity)
+    ids = jnp.ones((4, 64), jnp.int32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(4))
+    staged = batching._stage(graphdef, params, ids, ids, keys, jnp.zeros(4, jnp.int32), jnp.full(4, 10, jnp.int32),
+                             jnp.arange(4, dtype=jnp.int32), jnp.int32(4), cfg, ev, 64)
+    hlo = batching._engine.lower(graphdef, params, e, staged, jnp.bool_(True), jnp.int32(5), cfg,
+                                 ev).compile().as_text()
+    copies = per_step_copies(hlo, lambda dims: capacity in dims, follow_branches=True)
+    assert copies == [], "\n".join(copies)

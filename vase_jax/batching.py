@@ -1,17 +1,23 @@
-"""Continuous batching: a fixed number of rows; when a row ends, the next pending sample is prefilled into it.
+"""Continuous batching: a fixed number of rows; when a row's sample ends, the next pending sample takes the row.
 
-The engine is host-driven. One compiled decode program (`generate.decode_loop`) runs every busy row until some
-row ends (end token or its cap); the host then reads that row's tokens, hands them to `on_result`, prefills the
-next pending sample into the row (one prefill program per prompt bucket, batch 1) and writes it into the batch's
-cache (one program; the loop state is donated, so neither the admission nor the decode loop copies the cache).
-Shapes never change, so nothing recompiles after the first sample of each bucket (`compile_counts`).
+The engine is a device-side loop fed by the host in rounds. Each round the host prefills the next `queue` pending
+samples in one batched call (`_stage`: one program per prompt bucket) and hands them, staged, to the engine
+(`_engine`: one program). The engine decodes every busy row; when rows end, it copies their outputs into a
+results buffer and writes staged samples into the freed rows, all on the device, and goes on decoding. It returns
+to the host when every row is done, or when a row is free, nothing staged is left and the host has more samples.
+The host then hands each result to `on_result` and stages the next samples. Host round trips and prefill calls
+are thus one per `queue` samples, not one per sample; the loop state is donated, so no round copies the cache.
+Shapes never change, so nothing recompiles after the first round of each bucket (`compile_counts`).
 
 A sample carries its own key, row id and cap, and its tokens depend only on them, its prompt and the settings:
-they are bit-identical whichever row, batch or time it runs in, and to `generate` of the same sample. With
-eviction, a new row starts decoding at the step that puts its trigger phase on the batch's ticks
+they are bit-identical whichever row, batch, round or time it runs in, and to `generate` of the same sample.
+With eviction, a new row starts decoding at the step that puts its trigger phase on the batch's ticks
 (`framework.phase_wait`, at most B - 1 idle steps), so the batch still runs at most one eviction event per B
 steps; `full` has no ticks and starts a row at once. A prompt longer than the budget is kept whole until the
 row's first eviction, as in `generate`; the capacity is max(longest prompt bucket, N) + B.
+
+Memory beyond the batch's cache: the staged prompts' caches, `queue` rows of S slots (S = the longest prompt
+bucket), and a results buffer of `rows + queue` output rows.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
-from vase_jax.cache import CACHE_AXES, KVCache, batch_axis, first_rows, init_cache
+from vase_jax.cache import CACHE_AXES, STATE_AXES, KVCache, batch_axis, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import (
@@ -38,6 +44,7 @@ from vase_jax.generate import (
     LoopState,
     decode_loop,
     ended,
+    ended_by_token,
     first_tokens,
     no_events,
     prefill,
@@ -76,12 +83,42 @@ class EngineStats:
     total_row_steps: int = 0  # rows x steps
     events: int = 0  # eviction events
     min_event_gap: int = 0  # the fewest steps between two eviction events (a large number if fewer than two)
-    segments: int = 0  # decode-program calls (host round trips)
+    segments: int = 0  # engine calls (host round trips)
 
     @property
     def utilization(self) -> float:
         """Useful row-steps / total row-steps."""
         return self.useful_row_steps / max(self.total_row_steps, 1)
+
+
+FREE, UNUSED = -1, -2  # `EngineState.sample` of a row without a sample
+
+
+@struct.dataclass
+class Staged:
+    """Prefilled samples waiting for a row: entries [0, count) are real."""
+
+    cache: KVCache  # [queue] rows of S slots (S = the longest prompt bucket)
+    first: jax.Array  # [queue] int32: token 0, sampled from the prefill's logits
+    cap: jax.Array  # [queue] int32
+    key: jax.Array  # [queue] PRNG keys (the samples' own)
+    row_ids: jax.Array  # [queue] int32
+    sample: jax.Array  # [queue] int32: the sample's index in the request list
+    count: jax.Array  # int32 scalar
+
+
+@struct.dataclass
+class EngineState:
+    loop: LoopState  # the batch: [rows]
+    sample: jax.Array  # [rows] int32: the sample a row runs (FREE; UNUSED: the idle companion of a lone row)
+    used: jax.Array  # int32 scalar: staged samples taken so far this round
+    # results of the round, entries [0, out_count): a finished sample's tokens and counters
+    out_tokens: jax.Array  # [rows + queue, max_new_tokens] int32
+    out_num: jax.Array  # [rows + queue] int32
+    out_finished: jax.Array  # [rows + queue] bool: ended by an end token
+    out_evictions: jax.Array  # [rows + queue] int32
+    out_sample: jax.Array  # [rows + queue] int32
+    out_count: jax.Array  # int32 scalar
 
 
 def validate_requests(requests: list[Request], rows: int, config: GenerateConfig) -> None:
@@ -96,6 +133,37 @@ def validate_requests(requests: list[Request], rows: int, config: GenerateConfig
             raise ValueError(f"request {i} (tag {r.tag!r}): empty prompt")
 
 
+# ---- device programs ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0, 9, 10, 11))
+def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count, config: GenerateConfig,
+           eviction: EvictionConfig, slots: int) -> Staged:
+    """Prefill `queue` left-padded prompts [queue, bucket] into a cache of `slots` slots, and sample token 0."""
+    model = nnx.merge(graphdef, params)
+    sample_key, _ = split_keys(keys, keys.shape[0])
+    logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
+                            framework.slot_state(eviction))
+    first = first_tokens(logits, sample_key, row_ids, config)
+    return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
+
+
+def _one_row(staged: KVCache, j, capacity: int) -> KVCache:
+    """Row `j` of the staged cache as a batch-1 cache of `capacity` slots (the slots past the staged ones empty, as
+    `init_cache` makes them)."""
+    empty = {"k": 0, "v": 0, "pos": -1}
+
+    def take(x, name: str, axes: tuple[str, ...]):
+        x = jax.lax.dynamic_slice_in_dim(x, j, 1, batch_axis(name))
+        if "slots" not in axes:
+            return x
+        pad = [(0, 0)] * x.ndim
+        pad[axes.index("slots")] = (0, capacity - x.shape[axes.index("slots")])
+        return jnp.pad(x, pad, constant_values=jnp.asarray(empty.get(name, 0), x.dtype))
+
+    fields = {name: take(getattr(staged, name), name, axes) for name, axes in CACHE_AXES.items()}
+    state = {name: take(x, "state", STATE_AXES) for name, x in staged.state.items()}
+    return staged.replace(**fields, state=state)
+
+
 def _put_row(big: KVCache, one: KVCache, row) -> KVCache:
     """Write the batch-1 cache `one` into row `row` of `big` (every array along its "batch" axis)."""
     fields = {name: jax.lax.dynamic_update_slice_in_dim(getattr(big, name), getattr(one, name), row,
@@ -105,66 +173,109 @@ def _put_row(big: KVCache, one: KVCache, row) -> KVCache:
     return big.replace(**fields, state=state)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
-def _prefill_row(graphdef, state, input_ids, attention_mask, key, row_id, config: GenerateConfig,
-                 eviction: EvictionConfig, capacity: int):
-    """Prefill one left-padded prompt [1, bucket] into a batch-1 cache of `capacity` slots -> (cache, token 0).
-    The prompt runs beside a copy of itself, as `generate` runs a lone row (`generate._prepare`)."""
-    model = nnx.merge(graphdef, state)
-    input_ids, attention_mask, key, row_id = (jnp.concatenate([x, x]) for x in (input_ids, attention_mask, key, row_id))
-    sample_key, _ = split_keys(key, 2)
-    logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
-                            config.attention_impl, framework.slot_state(eviction))
-    return first_rows(cache, 1), first_tokens(logits, sample_key, row_id, config)[:1]
+def _collect(e: EngineState, config: GenerateConfig) -> EngineState:
+    """Copy the outputs of the rows whose sample ended into the results buffer; those rows become free."""
+    s = e.loop
+    ended_rows = s.done & (e.sample >= 0)  # [rows]
+    out_size = e.out_num.shape[0]
+    slot = jnp.where(ended_rows, e.out_count + jnp.cumsum(ended_rows) - 1, out_size)  # others: dropped
+
+    def put(out, x):
+        return out.at[slot].set(x, mode="drop")
+
+    return e.replace(out_tokens=put(e.out_tokens, s.tokens), out_num=put(e.out_num, s.num_tokens),
+                     out_finished=put(e.out_finished, ended_by_token(s, config)),
+                     out_evictions=put(e.out_evictions, s.cache.evictions), out_sample=put(e.out_sample, e.sample),
+                     out_count=e.out_count + ended_rows.sum(dtype=jnp.int32),
+                     sample=jnp.where(ended_rows, FREE, e.sample))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _init_state(cfg, dtype, rows: int, config: GenerateConfig, eviction: EvictionConfig, capacity: int) -> LoopState:
-    """Every row idle (done, inactive)."""
+def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, eviction: EvictionConfig) -> EngineState:
+    """Write staged samples into free rows (in row order) until either runs out. A sample starts decoding now, or
+    when its trigger phase meets the batch's ticks."""
+    free = e.loop.done & (e.sample == FREE)  # [rows]
+    rows = free.shape[0]
+    order = jnp.nonzero(free, size=rows, fill_value=0)[0]  # free rows first
+    n = jnp.minimum(free.sum(dtype=jnp.int32), staged.count - e.used)
+    capacity = e.loop.cache.capacity
+
+    def admit_one(i, e: EngineState) -> EngineState:
+        row, j = order[i], e.used + i
+        s = e.loop
+        one = _one_row(staged.cache, j, capacity)
+        first = jax.lax.dynamic_slice_in_dim(staged.first, j, 1)
+        cap = jax.lax.dynamic_slice_in_dim(staged.cap, j, 1)
+        key = jax.lax.dynamic_slice_in_dim(staged.key, j, 1)
+        sample_key, evict_key = split_keys(key, 1)
+        wait = framework.phase_wait(one.seen[0] - phase, s.step, eviction)
+        tokens_row = jnp.full((1, s.tokens.shape[1]), config.pad_id, jnp.int32).at[0, 0].set(first[0])
+
+        def put(x, value):  # x [rows, ...] <- value [1, ...] at `row`
+            return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(value, x.dtype).reshape((1,) + x.shape[1:]),
+                                                       row, 0)
+
+        s = s.replace(
+            cache=_put_row(s.cache, one.replace(active=jnp.zeros((1,), bool)), row),
+            tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, tokens_row, row, 0), last=put(s.last, first),
+            done=put(s.done, ended(first, jnp.ones((1,), jnp.int32), cap, config)), num_tokens=put(s.num_tokens, 1),
+            cap=put(s.cap, cap), start=put(s.start, s.step + wait), sample_key=put(s.sample_key, sample_key),
+            evict_key=put(s.evict_key, evict_key), row_ids=put(s.row_ids, staged.row_ids[j]))
+        return e.replace(loop=s, sample=put(e.sample, staged.sample[j]))
+
+    e = jax.lax.fori_loop(0, n, admit_one, e)
+    return e.replace(used=e.used + n)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
+def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
+            eviction: EvictionConfig) -> EngineState:
+    """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
+    is done, or a row is free with nothing staged while the host has `more` samples."""
+    model = nnx.merge(graphdef, params)
+    layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
+    e = e.replace(used=jnp.int32(0), out_count=jnp.int32(0))
+    e = _admit(_collect(e, config), staged, phase, config, eviction)
+
+    def going(e: EngineState) -> jax.Array:
+        starved = more & (e.used >= staged.count) & jnp.any(e.loop.done & (e.sample == FREE))
+        return jnp.any(~e.loop.done) & ~starved
+
+    def round_step(e: EngineState) -> EngineState:
+        running = e.sample >= 0
+        s = decode_loop(model, layers, e.loop, config, eviction, lambda s: ~jnp.any(s.done & running))
+        return _admit(_collect(e.replace(loop=s), config), staged, phase, config, eviction)
+
+    return jax.lax.while_loop(going, round_step, e)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _init_state(cfg, dtype, rows: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
+                capacity: int) -> EngineState:
+    """Every row free (done, inactive), the results buffer empty. One row runs beside an unused companion, as in
+    `generate` (a one-row matmul rounds differently)."""
+    sample = jnp.full((max(rows, 2),), FREE, jnp.int32).at[rows:].set(UNUSED)
+    rows = max(rows, 2)
     cache = init_cache(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction))
     keys = jnp.broadcast_to(jax.random.key(0), (rows,))
     zeros = jnp.zeros((rows,), jnp.int32)
-    return LoopState(cache=cache.replace(active=jnp.zeros((rows,), bool)),
+    loop = LoopState(cache=cache.replace(active=jnp.zeros((rows,), bool)),
                      tokens=jnp.full((rows, config.max_new_tokens), config.pad_id, jnp.int32), last=zeros,
                      done=jnp.ones((rows,), bool), num_tokens=zeros, cap=zeros + 1, start=zeros, sample_key=keys,
                      evict_key=keys, row_ids=zeros, step=jnp.int32(0), **no_events())
-
-
-@functools.partial(jax.jit, static_argnums=(8, 9), donate_argnums=(0,))
-def _admit(s: LoopState, row, one: KVCache, first, cap, key, row_id, phase, config: GenerateConfig,
-           eviction: EvictionConfig) -> LoopState:
-    """Put a prefilled sample into row `row`: its cache, token 0, cap, keys, and the batch step at which it starts
-    decoding (now, or when its trigger phase meets the batch's ticks)."""
-    sample_key, evict_key = split_keys(key, 1)
-    wait = framework.phase_wait(one.seen[0] - phase, s.step, eviction)
-    tokens_row = jnp.full((1, s.tokens.shape[1]), config.pad_id, jnp.int32).at[0, 0].set(first[0])
-
-    def put(x, value):  # x [rows, ...] <- value [1, ...] at `row`
-        return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(value, x.dtype).reshape((1,) + x.shape[1:]), row, 0)
-
-    one_tok = jnp.ones((1,), jnp.int32)
-    return s.replace(
-        cache=_put_row(s.cache, one.replace(active=jnp.zeros((1,), bool)), row),
-        tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, tokens_row, row, 0),
-        last=put(s.last, first), done=put(s.done, ended(first, one_tok, cap, config)), num_tokens=put(s.num_tokens, 1),
-        cap=put(s.cap, cap), start=put(s.start, s.step + wait), sample_key=put(s.sample_key, sample_key),
-        evict_key=put(s.evict_key, evict_key), row_ids=put(s.row_ids, row_id))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
-def _run(graphdef, state, s: LoopState, reported, config: GenerateConfig, eviction: EvictionConfig) -> LoopState:
-    """Decode every busy row until some row ends that the host has not seen yet (`reported` False)."""
-    model = nnx.merge(graphdef, state)
-    layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
-    return decode_loop(model, layers, s, config, eviction, lambda s: ~jnp.any(s.done & ~reported))
+    out = rows + queue
+    return EngineState(loop=loop, sample=sample, used=jnp.int32(0),
+                       out_tokens=jnp.zeros((out, config.max_new_tokens), jnp.int32),
+                       out_num=jnp.zeros((out,), jnp.int32), out_finished=jnp.zeros((out,), bool),
+                       out_evictions=jnp.zeros((out,), jnp.int32), out_sample=jnp.zeros((out,), jnp.int32),
+                       out_count=jnp.int32(0))
 
 
 def compile_counts() -> dict[str, int]:
-    """Programs compiled so far by the engine: {"prefill": one per (bucket, settings), "admit", "decode"}."""
-    return {"prefill": _prefill_row._cache_size(), "admit": _admit._cache_size(), "decode": _run._cache_size(),
-            "init": _init_state._cache_size(), "result": _row_result._cache_size()}
+    """Programs compiled so far by the engine: {"prefill": one per (bucket, settings), "decode", "init"}."""
+    return {"prefill": _stage._cache_size(), "decode": _engine._cache_size(), "init": _init_state._cache_size()}
 
 
+# ---- the host loop -----------------------------------------------------------------------------------------------
 def run(
     model: Qwen3,
     requests: Iterable[Request],
@@ -174,11 +285,14 @@ def run(
     eviction: EvictionConfig = NO_EVICTION,
     on_result: Callable[[Result], None] | None = None,
     stats: EngineStats | None = None,
+    queue: int | None = None,
 ) -> list[Result]:
     """Generate every request on a batch of `rows` rows, refilling a row as soon as its sample ends.
 
-    `on_result` is called with each sample's `Result` as soon as it ends (in end order); the list of results is
-    also returned in that order. `stats` (optional) receives the step counts and the row utilization.
+    `on_result` is called with each sample's `Result` when the host sees it end (at the end of the engine's round,
+    in end order); the list of results is also returned in that order. `stats` (optional) receives the step counts
+    and the row utilization. `queue`: samples prefilled per round (default `rows`; at least 2): fewer hold less
+    memory (the staged prompts) and report results sooner, more make fewer round trips.
     """
     requests = list(requests)
     config.validate()
@@ -186,55 +300,36 @@ def run(
     if not isinstance(model, Qwen3):
         raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
     validate_requests(requests, rows, config)
+    queue = max(rows, 2) if queue is None else queue
+    if not isinstance(queue, int) or isinstance(queue, bool) or queue < 1:
+        raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")
+    queue = max(queue, 2)  # a one-row prefill rounds differently (`generate` runs a lone row beside a copy)
     stats = stats if stats is not None else EngineStats()
     if not requests:
         return []
-    capacity = framework.capacity_for(eviction, max(config.bucket(len(r.prompt)) for r in requests),
-                                      config.max_new_tokens)
+    slots = max(config.bucket(len(r.prompt)) for r in requests)
+    capacity = framework.capacity_for(eviction, slots, config.max_new_tokens)
     graphdef, params = nnx.split(model)
-    # A lone row runs beside an idle one, as in `generate` (a one-row matmul rounds differently).
-    s = _init_state(model.cfg, model.dtype, max(rows, 2), config, eviction, capacity)
-    pending = collections.deque(requests)
-    tags: list[Any] = [None] * max(rows, 2)
-    admitted = [0.0] * max(rows, 2)
-    reported = np.ones(max(rows, 2), bool)  # idle rows count as reported
-    phase = len(requests[0].prompt)  # the batch's ticks fall where the first sample's trigger does
+    e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity)
+    pending = collections.deque(enumerate(requests))
+    phase = jnp.int32(len(requests[0].prompt))  # the batch's ticks fall where the first sample's trigger does
+    staged_at: dict[int, float] = {}
     results: list[Result] = []
-
-    def admit(s: LoopState, row: int) -> LoopState:
-        req = pending.popleft()
-        admitted[row] = time.perf_counter()
-        t = config.bucket(len(req.prompt))
-        ids = np.full((1, t), config.pad_id, np.int32)
-        ids[0, t - len(req.prompt):] = req.prompt
-        mask = (np.arange(t) >= t - len(req.prompt)).astype(np.int32)[None]
-        key = typed_key(jnp.asarray(req.key))[None]
-        row_id = jnp.asarray([req.row_id], jnp.int32)
-        one, first = _prefill_row(graphdef, params, jnp.asarray(ids), jnp.asarray(mask), key, row_id, config,
-                                  eviction, capacity)
-        tags[row] = req.tag
-        reported[row] = False
-        return _admit(s, jnp.int32(row), one, first, jnp.asarray([req.max_new_tokens], jnp.int32), key, row_id,
-                      jnp.int32(phase), config, eviction)
-
-    for row in range(min(rows, len(pending))):
-        s = admit(s, row)
-    while not reported.all():
-        s = _run(graphdef, params, s, jnp.asarray(reported), config, eviction)
+    while pending:
+        staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at)
+        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction)
         stats.segments += 1
-        done, num, step = jax.device_get((s.done, s.num_tokens, s.step))
-        for row in np.flatnonzero(done & ~reported):
-            tokens, finished, evictions = jax.device_get(_row_result(s, jnp.int32(row), config))
-            result = Result(tags[row], np.asarray(tokens)[: int(num[row])], bool(finished), int(evictions),
-                            time.perf_counter() - admitted[row])
+        count, nums, finished, evictions, samples, tokens = jax.device_get(
+            (e.out_count, e.out_num, e.out_finished, e.out_evictions, e.out_sample, e.out_tokens))
+        for i in range(int(count)):
+            index = int(samples[i])
+            result = Result(requests[index].tag, np.asarray(tokens[i, : int(nums[i])]), bool(finished[i]),
+                            int(evictions[i]), time.perf_counter() - staged_at.pop(index))
             results.append(result)
-            stats.useful_row_steps += int(num[row]) - 1  # token 0 comes from the prefill
-            reported[row] = True
+            stats.useful_row_steps += int(nums[i]) - 1  # token 0 comes from the prefill
             if on_result is not None:
                 on_result(result)
-            if pending:
-                s = admit(s, int(row))
-    step, events, gap = jax.device_get((s.step, s.events, s.min_event_gap))
+    step, events, gap = jax.device_get((e.loop.step, e.loop.events, e.loop.min_event_gap))
     stats.steps += int(step)
     stats.events += int(events)
     stats.min_event_gap = int(gap)
@@ -242,10 +337,23 @@ def run(
     return results
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _row_result(s: LoopState, row, config: GenerateConfig):
-    """Row `row`'s output buffer [max_new_tokens], whether its last token is an end token, and its evictions (one
-    program for every row: slicing the buffer to the row's length on the host compiles nothing)."""
-    tokens = s.tokens[row]
-    last = tokens[jnp.maximum(s.num_tokens[row] - 1, 0)]
-    return tokens, jnp.isin(last, jnp.asarray(config.eos_token_ids or (-1,), jnp.int32)), s.cache.evictions[row]
+def _stage_next(graphdef, params, pending: collections.deque, queue: int, config: GenerateConfig,
+                eviction: EvictionConfig, slots: int, staged_at: dict[int, float]) -> Staged:
+    """Take up to `queue` pending samples and prefill them as one batch (padded with copies of the first)."""
+    batch = [pending.popleft() for _ in range(min(queue, len(pending)))]
+    now = time.perf_counter()
+    staged_at.update((index, now) for index, _ in batch)
+    reqs = [r for _, r in batch]
+    reqs += [reqs[0]] * (queue - len(reqs))
+    t = max(config.bucket(len(r.prompt)) for r in reqs)
+    ids = np.full((queue, t), config.pad_id, np.int32)
+    mask = np.zeros((queue, t), np.int32)
+    for i, r in enumerate(reqs):
+        ids[i, t - len(r.prompt):] = r.prompt
+        mask[i, t - len(r.prompt):] = 1
+    keys = jnp.stack([typed_key(jnp.asarray(r.key)) for r in reqs])
+    index = [i for i, _ in batch] + [-1] * (queue - len(batch))
+    return _stage(graphdef, params, jnp.asarray(ids), jnp.asarray(mask), keys,
+                  jnp.asarray([r.row_id for r in reqs], jnp.int32), jnp.asarray([r.max_new_tokens for r in reqs],
+                                                                                  jnp.int32),
+                  jnp.asarray(index, jnp.int32), jnp.int32(len(batch)), config, eviction, slots)

@@ -1,6 +1,6 @@
 """The continuous scheduler of the eval: every missing sample of a (method, budget) as one stream of requests on
 `batch_size` rows (`vase_jax.batching`), problems mixed; each record is graded and written (fsynced) as soon as
-its sample ends.
+the host sees its sample end: at the end of the engine's round, which stages `batch_size` samples.
 
 A sample is request (prompt, key = `problem_key(seed, task, problem id)`, row id = sample index, cap = its exact
 output cap), so its tokens are those of the static scheduler (`runner.run_chunk`), whose rows use the same key
