@@ -36,11 +36,12 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
     # the decode phase's code path, tiny: no eviction and an attention-scored method (its query ring, its eviction)
     path = tmp_path / "decode.json"
     result = device_check.decode_benchmark(model="tiny", dtype="float32", batch=2, prompt_len=8, lengths=(64,),
-                                           methods=("full", "vase_attnv"), budget=32, buffer=16, micro_steps=2,
+                                           methods=("full", "vase_attnv"), unrolled=("vase_attnv", "vase_dkv"),
+                                           budget=32, buffer=16, micro_steps=2,
                                            repeats=3, json_path=str(path), bandwidth_mib=16)
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"full", "vase_attnv@32"}
+    assert set(rows) == {"full", "vase_attnv@32", "vase_attnv@32 (unroll)"}  # vase_dkv: not among the methods
     for r in rows.values():
         assert r["tokens"] == 64 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 and r["step_ms"] > 0
     assert rows["vase_attnv@32"]["evict_ms"] > 0

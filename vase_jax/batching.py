@@ -149,7 +149,6 @@ def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sam
 def _one_row(staged: KVCache, j, capacity: int) -> KVCache:
     """Row `j` of the staged cache as a batch-1 cache of `capacity` slots (the slots past the staged ones empty, as
     `init_cache` makes them)."""
-    empty = {"k": 0, "v": 0, "pos": -1}
 
     def take(x, name: str, axes: tuple[str, ...]):
         x = jax.lax.dynamic_slice_in_dim(x, j, 1, batch_axis(name))
@@ -157,7 +156,7 @@ def _one_row(staged: KVCache, j, capacity: int) -> KVCache:
             return x
         pad = [(0, 0)] * x.ndim
         pad[axes.index("slots")] = (0, capacity - x.shape[axes.index("slots")])
-        return jnp.pad(x, pad, constant_values=jnp.asarray(empty.get(name, 0), x.dtype))
+        return jnp.pad(x, pad, constant_values=jnp.asarray(-1 if name == "pos" else 0, x.dtype))
 
     fields = {name: take(getattr(staged, name), name, axes) for name, axes in CACHE_AXES.items()}
     state = {name: take(x, "state", STATE_AXES) for name, x in staged.state.items()}

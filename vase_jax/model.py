@@ -208,8 +208,8 @@ def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
         w, i = xs
         return body(c, {name: from_bits(x, dtypes[name]) for name, x in w.items()}, i), None
 
-    # scanned over the `as_bits` view: XLA:CPU would convert each whole bf16 stack to float32 to slice it
-    bits = {name: as_bits(x) for name, x in layers.items()}
+    # scanned over the `as_bits` view on CPU: XLA:CPU would convert each whole bf16 stack to float32 to slice it
+    bits = {name: _sliceable(x) for name, x in layers.items()}
     return jax.lax.scan(step, carry, (bits, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
 
 
@@ -217,7 +217,12 @@ def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], 
     """Stacked layer weights -> one dict per layer (static slices, on the `as_bits` view so that XLA:CPU does not
     convert bf16 stacks to float32 to slice them; inside jit, one copy of the weights)."""
     num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: from_bits(as_bits(x)[i], x.dtype) for name, x in layers.items()} for i in range(num_layers))
+    return tuple({name: from_bits(_sliceable(x)[i], x.dtype) for name, x in layers.items()} for i in range(num_layers))
+
+
+def _sliceable(x: jax.Array) -> jax.Array:
+    """A weight stack as it is sliced: its `as_bits` view on CPU (see above), itself elsewhere."""
+    return as_bits(x) if jax.default_backend() == "cpu" else x
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
