@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from vase_jax import random_model, weights
-from vase_jax.cache import KVCache, as_bits, cache_shapes, stores_bits
+from vase_jax.cache import KVCache, init_cache, stored
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -246,24 +246,23 @@ def filled_cache(
     """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1);
     `state`: the policy's per-slot state arrays (uniform random in [0, 1) on the first `length` slots)."""
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
-    shapes = cache_shapes(cfg, batch, capacity, window)
+    empty = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, window, dtype, state))  # shapes and storage
     slot = jnp.arange(capacity, dtype=jnp.int32)
+    filled = jnp.full(empty.length.shape, length, jnp.int32)
 
-    def stored(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    def normals(key: jax.Array, like) -> jax.Array:
         """Standard normals drawn in `dtype` itself (a float32 draw would hold twice the cache while filling),
-        stored as `init_cache` stores them (bits for 16-bit floats on CPU)."""
-        x = jax.random.normal(key, shape, dtype)
-        return as_bits(x) if stores_bits(dtype) else x
+        stored as the cache stores them."""
+        return stored(jax.random.normal(key, like.shape, dtype), empty)
 
-    return KVCache(k=stored(kk, shapes["k"]), v=stored(kv, shapes["v"]),
-                   pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), shapes["pos"]),
-                   queries=stored(kq, shapes["queries"]), dtype=jnp.dtype(dtype),
-                   query_valid=jnp.ones(shapes["query_valid"], bool), row_pos=jnp.full((batch,), length, jnp.int32),
-                   length=jnp.full((batch,), length, jnp.int32), seen=jnp.full((batch,), length, jnp.int32),
-                   evictions=jnp.zeros((batch,), jnp.int32), active=jnp.ones((batch,), bool),
-                   state={s.name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), shapes["pos"]),
-                                            0.0) for i, s in enumerate(state)},
-                   state_specs=tuple(state))
+    # Every leaf of `empty` is replaced: nothing of the empty cache is allocated.
+    return empty.replace(
+        k=normals(kk, empty.k), v=normals(kv, empty.v), queries=normals(kq, empty.queries),
+        pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), empty.pos.shape),
+        query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=filled, length=filled, seen=filled,
+        evictions=jnp.zeros(empty.evictions.shape, jnp.int32), active=jnp.ones(empty.active.shape, bool),
+        state={name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), x.shape), 0.0)
+               for i, (name, x) in enumerate(empty.state.items())})
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
