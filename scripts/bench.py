@@ -520,6 +520,11 @@ def _json_default(x):
     return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
+def device_desc() -> str:
+    """The accelerator the programs run on: its kind and backend, e.g. "NVIDIA H200 (gpu)" or "cpu (cpu)"."""
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+
+
 def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
     """--compile-only: one line per configuration, and results.json / results.md under --out."""
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
@@ -529,7 +534,8 @@ def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], 
     layer = model.cfg.num_layers
     lines = [f"Compile of generate: {model_desc}, {jnp.dtype(model.dtype).name}, batch {args.batch}, prompt "
              f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {resolve_layer_loop(args.layer_loop)}; "
-             f"CPU {vb.cpu_model()}, jax {jax.__version__}, load {load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}",
+             f"device {device_desc()}, host CPU {vb.cpu_model()}, jax {jax.__version__}, load {load_start[0]:.2f} -> "
+             f"{os.getloadavg()[0]:.2f}",
              "", "| method | budget | capacity | compile s (lower s) | HLO lines | temporaries MiB |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -541,7 +547,8 @@ def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], 
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model_desc, "layers": layer, "cpu_model": vb.cpu_model(), "jax": jax.__version__,
+        meta = {"model": model_desc, "layers": layer, "device": device_desc(), "cpu_model": vb.cpu_model(),
+                "jax": jax.__version__,
                 "load_start": list(load_start), "load_end": list(os.getloadavg())}
         (out / "results.json").write_text(json.dumps({"meta": meta, "compile": rows}, indent=1))
         (out / "results.md").write_text(text + "\n")
@@ -633,7 +640,7 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
     result = {"meta": {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
                        "batch": args.batch, "prompt_len": args.prompt_len, "longest": longest,
                        "samples": len(caps), "mean_output": float(caps.mean()), "cpu_model": vb.cpu_model(),
-                       "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+                       "device": device_desc(),
                        "load_start": [round(x, 2) for x in load_start],
                        "load_end": [round(x, 2) for x in os.getloadavg()]},
               "spread": runs}
@@ -668,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = vb.load_warning(load_start[0])
     if warning:
         print(f"bench.py: warning: {warning}", file=sys.stderr, flush=True)
-    print(f"CPU {vb.cpu_model()}, load {load_start[0]:.2f}; layer loop "
+    print(f"device {device_desc()}, host CPU {vb.cpu_model()}, load {load_start[0]:.2f}; layer loop "
           f"{resolve_layer_loop(args.layer_loop)}", flush=True)
     if args.compile_only:
         return compile_report(args, model, model_desc, configs, load_start)
@@ -727,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
             "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
             "layer_loop": resolve_layer_loop(args.layer_loop), "cpu_model": vb.cpu_model(),
             "load_warning": vb.load_warning(load_start[0]),
-            "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+            "device": device_desc(),
             "cpu_count": os.cpu_count(),
             "jax": jax.__version__, "load_start": [round(x, 2) for x in load_start],
             "load_end": [round(x, 2) for x in os.getloadavg()],
