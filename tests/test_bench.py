@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from flax import nnx
 
 import vase_jax as vj
 from vase_jax import bench as vb
+from vase_jax.cache import init_cache
 from vase_jax.eviction import framework
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
@@ -164,6 +166,25 @@ def test_roofline_sums_the_schedule():
     total = 49 * w + sum(lengths) * per_slot + events * 2 * 40 * per_slot
     assert roof["bytes_step_start"] == w + 17 * per_slot and roof["bytes_step_end"] == w + lengths[-1] * per_slot
     assert math.isclose(roof["bytes_step_mean"], total / 49) and roof["bytes_per_eviction"] == 2 * 40 * per_slot
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_filled_cache_is_init_cache_filled_and_donatable(dtype):
+    """The same structure, dtypes and storage (bits for bf16 on CPU) as `init_cache`; `length` slots filled, the
+    policy state on them; every leaf its own buffer, so that the benchmark can donate the cache."""
+    state = framework.slot_state(vj.EvictionConfig("h2o", budget=8, buffer=4))
+    cache = vb.filled_cache(vb.TINY, 2, 16, 10, 4, dtype, 0, state)
+    empty = init_cache(vb.TINY, 2, 16, 4, dtype, state)
+    assert jax.tree.structure(cache) == jax.tree.structure(empty)
+    for x, e in zip(jax.tree.leaves(cache), jax.tree.leaves(empty), strict=True):
+        assert (x.shape, x.dtype) == (e.shape, e.dtype)
+    assert cache.length.tolist() == cache.seen.tolist() == cache.row_pos.tolist() == [10, 10]
+    assert (np.asarray(cache.pos[..., :10]) == np.arange(10)).all() and (np.asarray(cache.pos[..., 10:]) == -1).all()
+    mass = np.asarray(cache.state["attention_mass"])
+    assert (mass[..., 10:] == 0).all() and (mass[..., :10] > 0).all()
+    buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+    assert len(set(buffers)) == len(buffers)
+    jax.block_until_ready(jax.jit(lambda c: jax.tree.map(lambda x: x + 0, c), donate_argnums=0)(cache))
 
 
 def test_stat_and_decode_rate():

@@ -248,18 +248,20 @@ def filled_cache(
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
     empty = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, window, dtype, state))  # shapes and storage
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    filled = jnp.full(empty.length.shape, length, jnp.int32)
 
     def normals(key: jax.Array, like) -> jax.Array:
         """Standard normals drawn in `dtype` itself (a float32 draw would hold twice the cache while filling),
         stored as the cache stores them."""
         return stored(jax.random.normal(key, like.shape, dtype), empty)
 
+    def filled() -> jax.Array:  # [batch] `length`; a new buffer per field, since callers donate the cache
+        return jnp.full(empty.length.shape, length, jnp.int32)
+
     # Every leaf of `empty` is replaced: nothing of the empty cache is allocated.
     return empty.replace(
         k=normals(kk, empty.k), v=normals(kv, empty.v), queries=normals(kq, empty.queries),
         pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), empty.pos.shape),
-        query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=filled, length=filled, seen=filled,
+        query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=filled(), length=filled(), seen=filled(),
         evictions=jnp.zeros(empty.evictions.shape, jnp.int32), active=jnp.ones(empty.active.shape, bool),
         state={name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), x.shape), 0.0)
                for i, (name, x) in enumerate(empty.state.items())})
