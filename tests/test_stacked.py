@@ -73,12 +73,14 @@ def test_hf_export_inverts_loading(tiny_tied):
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
 
 
-def test_eviction_adds_at_most_one_layer_of_temporaries():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_eviction_adds_at_most_one_layer_of_temporaries(dtype):
     """`Compiled.memory_analysis()` of generate: an evicting method at the same cache capacity as `full` needs at
     most about one layer's candidates and scores more (layers are evicted one at a time, in place), not a
-    multiple of the cache. The query ring of attention-scored methods is part of their cache and is counted out."""
+    multiple of the cache. The query ring of attention-scored methods is part of their cache and is counted out.
+    In bfloat16 (a cache stored as its bits on CPU) the scores stay float32 and the bound is the same."""
     cfg = dataclasses.replace(TINY, num_layers=6, vocab_size=1024)
-    model = random_model(cfg)
+    model = random_model(cfg, dtype)
     ids = jnp.ones((2, 64), jnp.int32)
 
     def temp_bytes(ev, max_new):
@@ -88,7 +90,7 @@ def test_eviction_adds_at_most_one_layer_of_temporaries():
 
     capacity = 192  # full: 64 + 128 new tokens; evicting: N + B = 160 -> 192 (rounded to the block)
     full = temp_bytes(vj.EvictionConfig("full"), 128)
-    itemsize, b, h = 4, 2, cfg.num_kv_heads
+    itemsize, b, h = jnp.dtype(dtype).itemsize, 2, cfg.num_kv_heads
     layer_share = b * h * capacity * (2 * cfg.head_dim * itemsize + 4)  # k, v, pos of one layer
     cache = cfg.num_layers * layer_share
     for method in ("snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv"):
