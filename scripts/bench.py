@@ -31,7 +31,8 @@ import vase_jax as vj
 from vase_jax import bench as vb
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import lower_generate, query_window, resolve_layer_loop
+from vase_jax.generate import LAYER_LOOPS, lower_generate, query_window, resolve_layer_loop
+from vase_jax.jit import compiler_options
 
 HOW = {
     "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--vocab", type=int, default=None, help="named random models: vocabulary size")
     a("--hidden", type=int, default=None, help="named random models: hidden size (heads unchanged)")
     a("--intermediate", type=int, default=None, help="named random models: MLP width")
-    a("--layer-loop", default="auto", choices=("auto", "scan", "unroll"),
+    a("--layer-loop", default="auto", choices=LAYER_LOOPS,
       help="how the decode step runs the layers (GenerateConfig.layer_loop)")
     a("--compile-only", action="store_true",
       help="only compile generate per method and budget (the first --output-lens): compile seconds and "
@@ -259,7 +260,8 @@ class Bench:
         # generate gets the unpadded prompt and pads it to the bucket itself (which sets its cache capacity)
         raw_ids, raw_mask = self.ids[:, t - args.prompt_len:], self.mask[:, t - args.prompt_len:]
         start = time.perf_counter()
-        compiled = jax.jit(generate).lower(self.state, raw_ids, raw_mask, key).compile()
+        jitted = jax.jit(generate, compiler_options=compiler_options())  # as `generate` compiles itself
+        compiled = jitted.lower(self.state, raw_ids, raw_mask, key).compile()
         compile_s = time.perf_counter() - start
         mem = compiled.memory_analysis()
         program_bytes = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes

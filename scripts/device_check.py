@@ -16,7 +16,9 @@ Phases, each in its own process (a TPU belongs to one process at a time; a GPU's
               compiled loop on a cache holding what `generate` holds at that point (full: prompt + tokens slots;
               eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
               bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth); the layers scanned
-              (the GPU default), and vase_dkv at 16k once more with them unrolled
+              (the GPU default), and vase_dkv at 16k once more with them unrolled and once switched (per-layer
+              weight buffers read through a `lax.switch`, the CPU default: does a GPU conditional cost more than the
+              weight copy it saves?)
 
 Targets (benchmark goals, not pass/fail of this script): the decode kernel at >= 70% of the copy bandwidth at batch
 16 and 4k-16k slots; full vs vase_dkv decode tokens/s at 16k >= 3x. Both are reported in the table.
@@ -130,16 +132,16 @@ def decode_benchmark(
     row_ids = jnp.arange(batch, dtype=jnp.int32)
     measured: dict[tuple, dict] = {}  # eviction methods: one cache state for every length
     # the longest length first, so that a run stopped for time still has the 16k comparison
-    # every method scanned (the GPU default), then the unrolled layer loop for the `unrolled` ones at the longest
-    # length (XLA:GPU copies the weights a scanned step slices out of the stack; unrolled, once per call)
+    # every method scanned (the GPU default), then the unrolled and switched layer loops for the `unrolled` ones at
+    # the longest length (XLA:GPU copies the weights a scanned step slices out of the stack; the others, once per call)
     figures = sorted(((n, m, "scan") for m in methods for n in lengths), key=lambda x: -x[0])
-    figures += [(max(lengths), m, "unroll") for m in unrolled if m in methods]
+    figures += [(max(lengths), m, loop) for loop in ("unroll", "switch") for m in unrolled if m in methods]
     for length, method, layer_loop in figures:
         ev = (vj.EvictionConfig("full") if method == "full" else
               vj.EvictionConfig(method, budget=budget, buffer=buffer)).validate()
         window = query_window(ev)
         row = dict(method=(method if method == "full" else f"{method}@{budget}")
-                   + (" (unroll)" if layer_loop == "unroll" else ""), tokens=length)
+                   + (f" ({layer_loop})" if layer_loop != "scan" else ""), tokens=length)
         if out_of_time():
             result["rows"].append({**row, "skipped": "time budget"})
             save()
@@ -254,7 +256,7 @@ def targets(report: dict) -> dict[str, str]:
     decode = report["phases"].get("decode", {}).get("results")
     if decode:
         at = {r["method"].split("@")[0]: r for r in decode["rows"] if r["tokens"] == 16384 and "tokens_per_s" in r
-              and "(unroll)" not in r["method"]}
+              and not r["method"].endswith(")")}
         if "full" in at and "vase_dkv" in at:
             ratio = at["vase_dkv"]["tokens_per_s"] / at["full"]["tokens_per_s"]
             bound = at["vase_dkv"]["bound_tokens_per_s"] / at["full"]["bound_tokens_per_s"]

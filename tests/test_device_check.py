@@ -41,7 +41,8 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
                                            repeats=3, json_path=str(path), bandwidth_mib=16)
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"full", "vase_attnv@32", "vase_attnv@32 (unroll)"}  # vase_dkv: not among the methods
+    # vase_dkv: not among the methods
+    assert set(rows) == {"full", "vase_attnv@32", "vase_attnv@32 (unroll)", "vase_attnv@32 (switch)"}
     for r in rows.values():
         assert r["tokens"] == 64 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 and r["step_ms"] > 0
     assert rows["vase_attnv@32"]["evict_ms"] > 0

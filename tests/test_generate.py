@@ -67,7 +67,7 @@ def test_end_tokens_stop_rows_and_pad(model, prompt_batch):
             assert (toks[r, k + 1:] == 7).all()
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("layer_loop", ["unroll", "switch", "scan"])
 def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
     graphdef, state = nnx.split(model)
     ids = jnp.ones((2, 64), jnp.int32)
@@ -85,13 +85,13 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
         weights = per_step_copies(
             hlo, lambda dims, c=c, n=smallest_weight: c.hidden_size in dims and math.prod(dims) >= n)
         assert weights == [], "\n".join(weights)
-        # Weights a dot reads through a slice: XLA:CPU materializes the slice. Unrolled, the layers' weights are
-        # sliced once before the loop, so no step slices a weight; scanned, each step slices one layer at a time
-        # (never the stack), which is why "auto" unrolls on CPU.
+        # Weights a dot reads through a slice: XLA:CPU materializes the slice. Unrolled or switched, the layers'
+        # weights are sliced once before the loop, so no step slices a weight; scanned, each step slices one
+        # layer at a time (never the stack), which is why "auto" switches on CPU.
         largest_layer_weight = max(math.prod(x.shape[1:]) for x in model.layer_weights().values())
         sliced = per_step_slices(
             hlo, lambda dims, c=c, n=smallest_weight: c.hidden_size in dims and math.prod(dims) >= n)
-        if layer_loop == "unroll":
+        if layer_loop != "scan":
             assert sliced == [], "\n".join(sliced)
         else:
             assert sliced and all(math.prod(dims_of(line)) <= largest_layer_weight for line in sliced), sliced
@@ -104,6 +104,23 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
 
     hlo = jax.jit(keeps_old).lower(jnp.ones((2, cap))).compile().as_text()
     assert per_step_copies(hlo, lambda dims: cap in dims)
+
+
+def test_generate_inside_a_users_jit(model, prompt_batch):
+    """`generate` traced inside the caller's own `jax.jit` (where jax refuses a nested jit's compiler options):
+    the same tokens as called on its own, and with the caller's jit compiled under our CPU options too."""
+    from vase_jax.jit import compiler_options
+
+    ids, mask = jnp.asarray(prompt_batch.input_ids), jnp.asarray(prompt_batch.attention_mask)
+    cfg = vj.GenerateConfig(max_new_tokens=8, temperature=0.6)
+    direct = vj.generate(model, ids, mask, key=jax.random.key(1), config=cfg).tokens
+
+    def users(ids, mask, key):
+        return vj.generate(model, ids, mask, key=key, config=cfg).tokens
+
+    for options in (None, compiler_options()):
+        nested = jax.jit(users, compiler_options=options)(ids, mask, jax.random.key(1))
+        np.testing.assert_array_equal(np.asarray(nested), np.asarray(direct))
 
 
 def test_compiles_once_per_shape(model, tokenizer):

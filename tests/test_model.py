@@ -47,7 +47,7 @@ def test_prefill_plus_decode_equals_full_forward(tiny_tied, prompt_batch):
     logits, cache0 = prefill(model, ids, mask, ids.shape[1] + 8, 0)
     np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] - 1], atol=1e-4, rtol=0)
     step = jax.jit(decode_step, static_argnums=(3,))
-    for layers in (None, model.layer_weights(unstack=True)):  # scanned, then unrolled layers
+    for layers in (None, model.layer_weights("switch"), model.layer_weights("unroll")):  # every layer loop
         cache = cache0
         for i in range(extra.shape[1]):
             logits, cache = step(model, cache, extra[:, i], "xla", layers)

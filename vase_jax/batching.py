@@ -52,6 +52,7 @@ from vase_jax.generate import (
     resolve_layer_loop,
     split_keys,
 )
+from vase_jax.jit import backend_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 
@@ -134,7 +135,7 @@ def validate_requests(requests: list[Request], rows: int, config: GenerateConfig
 
 
 # ---- device programs ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=(0, 9, 10, 11))
+@functools.partial(backend_jit, static_argnums=(0, 9, 10, 11))
 def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count, config: GenerateConfig,
            eviction: EvictionConfig, slots: int) -> Staged:
     """Prefill `queue` left-padded prompts [queue, bucket] into a cache of `slots` slots, and sample token 0."""
@@ -225,13 +226,13 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
     return e.replace(used=e.used + n)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
+@functools.partial(backend_jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
 def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
             eviction: EvictionConfig) -> EngineState:
     """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
     is done, or a row is free with nothing staged while the host has `more` samples."""
     model = nnx.merge(graphdef, params)
-    layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
+    layers = model.layer_weights(resolve_layer_loop(config.layer_loop))
     e = e.replace(used=jnp.int32(0), out_count=jnp.int32(0))
     e = _admit(_collect(e, config), staged, phase, config, eviction)
 

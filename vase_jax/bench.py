@@ -33,6 +33,7 @@ from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, decode_step, resolve_layer_loop
 from vase_jax.generate import prefill as generate_prefill
+from vase_jax.jit import backend_jit
 from vase_jax.model import Qwen3
 
 # A model for smoke tests (seconds to compile and run): the tiny test shape with a 1024-token vocabulary.
@@ -230,7 +231,7 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+@functools.partial(backend_jit, static_argnums=(0, 4, 5, 6, 7))
 def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int, attention_impl: str = "auto",
             slot_state: tuple = ()):
     """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots (with the
@@ -267,7 +268,7 @@ def filled_cache(
                for i, (name, x) in enumerate(empty.state.items())})
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
+@functools.partial(backend_jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
 def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str,
                  layer_loop: str = "auto"):
     """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
@@ -275,7 +276,7 @@ def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, atte
     model = nnx.merge(graphdef, state)
     start = jnp.full_like(cache.row_pos, start)  # every row
     cache = cache.replace(length=start, seen=start, row_pos=start)
-    layers = model.layer_weights(unstack=resolve_layer_loop(layer_loop) == "unroll")  # as generate runs them
+    layers = model.layer_weights(resolve_layer_loop(layer_loop))  # as generate runs them
 
     def body(_, carry):
         c, tok = carry
@@ -285,7 +286,7 @@ def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, atte
     return jax.lax.fori_loop(0, steps, body, (cache, token))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4), donate_argnums=(0,))
+@functools.partial(backend_jit, static_argnums=(1, 4), donate_argnums=(0,))
 def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention_impl: str = "auto") -> KVCache:
     """One `framework.evict` event on a cache holding `budget + buffer` slots (the state at a trigger). The
     cache is donated and its length restored afterwards, so calls can repeat on the returned cache."""

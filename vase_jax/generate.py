@@ -30,13 +30,15 @@ from vase_jax.cache import KVCache, first_rows, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
+from vase_jax.jit import backend_jit
+from vase_jax.model import LAYER_LOOPS as MODEL_LOOPS
 from vase_jax.model import LayerWeights, Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
 from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-LAYER_LOOPS = ("auto", "scan", "unroll")
+LAYER_LOOPS = ("auto",) + MODEL_LOOPS
 try:  # the kernels' own list of implementations, when it has one
     from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
 except ImportError:  # pragma: no cover
@@ -56,9 +58,11 @@ class GenerateConfig:
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
     return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
-    # How the decode step runs the layers: "scan" (one compiled layer: compile time independent of depth),
-    # "unroll" (per-layer code over weights unstacked once before the loop), "auto" (unroll on CPU, else scan).
-    # The prefill and the eviction always scan. Both give the same tokens.
+    # How the decode step runs the layers: "scan" (one compiled layer, slicing the weight stacks per step),
+    # "switch" (the same scan, each matmul reading per-layer weight buffers sliced once before the loop),
+    # "unroll" (per-layer code over those buffers: compile time grows with depth), "auto" (switch on CPU, where a
+    # sliced weight is copied, else scan). See `vase_jax.model.run_layers`.
+    # The prefill and the eviction always scan. All give the same tokens.
     layer_loop: str = "auto"
     # The decode-attention kernel, with and without eviction: "auto" (Pallas on GPU, XLA elsewhere), "xla" or
     # "pallas" (interpret mode off GPU). The eviction scoring kernels follow the same switch.
@@ -364,7 +368,7 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
     return jax.lax.while_loop(running, segment, s)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10))
+@functools.partial(backend_jit, static_argnums=(0, 7, 8, 9, 10), mesh_argnum=10)
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
               eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
@@ -383,8 +387,8 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
                                 config.attention_impl, framework.slot_state(eviction), mesh)
         first = first_tokens(logits, sample_key, row_ids, config, mesh)
-    # Unrolled: the weights are sliced out of the stack here, once, so that no step copies them.
-    layers = model.layer_weights(unstack=resolve_layer_loop(config.layer_loop) == "unroll")
+    # switch / unroll: the weights are sliced out of the stacks here, once, so that no step copies them.
+    layers = model.layer_weights(resolve_layer_loop(config.layer_loop))
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
@@ -420,17 +424,18 @@ def query_window(eviction: EvictionConfig) -> int:
 
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
-            attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None):
+            attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None,
+            layers: LayerWeights | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
     `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
     policy's per-slot state arrays (`framework.slot_state`); `mesh`: create the cache sharded over it
-    (`vase_jax.sharding.cache_specs`). The layers run scanned (a prefill reads each weight
-    once, so slicing it out of the stack costs nothing per token).
+    (`vase_jax.sharding.cache_specs`); `layers`: `model.layer_weights(...)` already computed (default: the
+    stacks, scanned).
     """
     cache = constrain_cache(init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state), mesh)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
-                                  attention_impl=attention_impl, last_logits_only=True)
+                                  attention_impl=attention_impl, layers=layers, last_logits_only=True)
     return logits[:, -1], constrain_cache(cache, mesh)
 
 
@@ -446,8 +451,8 @@ def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: 
 
 
 def resolve_layer_loop(layer_loop: str) -> str:
-    """ "auto" -> "unroll" on CPU (XLA:CPU copies every weight a dot reads through a slice of the stack, so the
-    scanned decode step would copy each layer's weights at every step), "scan" on GPU and TPU."""
+    """ "auto" -> "switch" on CPU (XLA:CPU copies every weight a dot reads through a slice of the stack, so the
+    plain scanned decode step would copy each layer's weights at every step), "scan" on GPU and TPU."""
     if layer_loop == "auto":
-        return "unroll" if jax.default_backend() == "cpu" else "scan"
+        return "switch" if jax.default_backend() == "cpu" else "scan"
     return layer_loop

@@ -14,11 +14,15 @@ One layer function, `decoder_layer`, serves every entry point:
   multi-token call fills an empty cache with a prompt (prefill), a one-token call appends to it (decode step).
   The cache write happens inside attention. Returns (logits, cache).
 
-The layers run either as a `lax.scan` over the stacked weights (one compiled layer, whatever the depth) or
-unrolled over per-layer weights (`unstack_layers`, sliced once outside a decode loop): see `run_layers`.
+The layers run as a `lax.scan` over the stacked weights (one compiled layer, whatever the depth), as the same
+scan with each matmul reading per-layer weight buffers through a `lax.switch` (`SwitchedLayers`: no weight copied
+per step on XLA:CPU), or unrolled over per-layer weights: see `run_layers`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,22 +47,55 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`einsum(spec, x, w)` for a 2-D x [rows, in] with a float32 result. XLA:CPU runs a one-row 16-bit matmul (a
-    matrix-vector product: decode at batch 1) about 8x slower than a two-row one, so there one zero row is added
-    and dropped again."""
+def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer) -> jax.Array:
+    """`einsum(spec, x, w)` for a 2-D x [rows, in] with a float32 result (see `matmuls`)."""
+    return matmuls(spec, x, (w,))[0]
+
+
+def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...]) -> tuple[jax.Array, ...]:
+    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], float32 results. XLA:CPU runs a one-row 16-bit
+    matmul (a matrix-vector product: decode at batch 1) about 8x slower than a two-row one, so there one zero row
+    is added and dropped again. `PerLayer` weights are multiplied in place, all in one `lax.switch` on their
+    layer index (one branch per layer, whatever the number of weights)."""
     rows = x.shape[0]
     pad = rows == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu"
     if pad:
         x = jnp.pad(x, ((0, 1), (0, 0)))
-    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return y[:rows] if pad else y
+    if isinstance(ws[0], PerLayer):
+        per_layer = zip(*(w.arrays for w in ws), strict=True)  # layer l -> (ws[0] of l, ws[1] of l, ...)
+        ys = jax.lax.switch(ws[0].index, [functools.partial(_dots, spec, wl) for wl in per_layer], x)
+    else:
+        ys = _dots(spec, ws, x)
+    return tuple(y[:rows] if pad else y for y in ys)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dots(spec: str, ws: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32) for w in ws)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """One kind of matmul weight inside a scanned layer: every layer's array (`arrays[l]`, separate buffers) and
+    the traced layer `index`. `matmul` multiplies by `arrays[index]` through a `lax.switch` whose branches each
+    read one buffer as it is, so no iteration slices (on XLA:CPU: copies) a weight out of a stack, and each
+    branch is one dot, which XLA:CPU runs as a library call with nothing to generate code for."""
+
+    arrays: tuple[jax.Array, ...]
+    index: jax.Array
+
+    def reshape(self, *shape: int) -> PerLayer:
+        return PerLayer(tuple(a.reshape(*shape) for a in self.arrays), self.index)
+
+
+def linear(x: jax.Array, w: jax.Array | PerLayer) -> jax.Array:
     """x [n, in] times w [out, in] (HF's layout) -> [n, out], a float32 result cast to x's dtype. Callers flatten
     to 2-D: inside a loop, XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
-    return matmul("ni,oi->no", x, w).astype(x.dtype)
+    return linears(x, (w,))[0]
+
+
+def linears(x: jax.Array, ws: tuple) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones)."""
+    return tuple(y.astype(x.dtype) for y in matmuls("ni,oi->no", x, ws))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -119,13 +156,11 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
     b, t, e = x.shape
     d = cfg.head_dim
 
-    def heads(name: str, n: int) -> jax.Array:  # [batch, seq, embed] x [n * d, embed] -> [batch, n, seq, d]
-        y = linear(x.reshape(b * t, e), w[name].reshape(n * d, e))
-        return y.reshape(b, t, n, d).transpose(0, 2, 1, 3)
-
-    q = heads("q_proj", cfg.num_heads)  # [batch, q_heads, seq, head_dim]
-    k = heads("k_proj", cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
-    v = heads("v_proj", cfg.num_kv_heads)  # [batch, kv_heads, seq, head_dim]
+    counts = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads, "v_proj": cfg.num_kv_heads}
+    # [batch * seq, embed] x [n * d, embed] -> [batch, n, seq, d]
+    q, k, v = (y.reshape(b, t, counts[name], d).transpose(0, 2, 1, 3) for name, y in zip(
+        counts, linears(x.reshape(b * t, e), tuple(w[name].reshape(n * d, e) for name, n in counts.items())),
+        strict=True))  # q [batch, q_heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]
     q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
     k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
     q = q.reshape(b, cfg.num_kv_heads, cfg.group, t, d)  # [batch, kv_heads, group, seq, head_dim]
@@ -171,8 +206,8 @@ def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     """x + SwiGLU(RMSNorm(x)): [batch, seq, embed], as 2-D matmuls over [batch * seq, embed]."""
     b, t, e = x.shape
     h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps).reshape(b * t, e)
-    gate = jax.nn.silu(linear(h, w["gate_proj"]))  # [batch * seq, mlp]
-    return x + linear(gate * linear(h, w["up_proj"]), w["down_proj"]).reshape(b, t, e)
+    gate, up = linears(h, (w["gate_proj"], w["up_proj"]))  # [batch * seq, mlp] each
+    return x + linear(jax.nn.silu(gate) * up, w["down_proj"]).reshape(b, t, e)
 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
@@ -185,39 +220,74 @@ def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, posit
     return x, cache
 
 
-LayerWeights = dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SwitchedLayers:
+    """Layer weights for a scanned loop that reads every matmul weight in place (`run_layers`): `stacked`, the
+    RMSNorm scales as `[layers, ...]` arrays (sliced per iteration: a few KB), and `per_layer`, one dict of the
+    matmul weights per layer (`PerLayer`)."""
+
+    stacked: dict[str, jax.Array]
+    per_layer: tuple[dict[str, jax.Array], ...]
+
+
+LayerWeights = dict[str, jax.Array] | tuple[dict[str, jax.Array], ...] | SwitchedLayers
+LAYER_LOOPS = ("scan", "unroll", "switch")
 
 
 def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
-    """carry <- body(carry, w_l, l) for every layer l.
+    """carry <- body(carry, w_l, l) for every layer l; the form of `layers` (`layer_weights`) picks the loop.
 
-    `layers` stacked (a dict of `[layers, ...]` arrays): a `lax.scan` (one compiled layer; `unroll` layers per
-    iteration). A tuple of per-layer dicts (`unstack_layers`): a Python loop, each layer its own code, indices
-    static. XLA:CPU copies a weight that a dot reads through a slice, dynamic or static, so on CPU the decode loop
-    runs unrolled over weights unstacked once before the loop.
+    - stacked (a dict of `[layers, ...]` arrays): a `lax.scan` over the stack, one compiled layer (`unroll`
+      layers per iteration). Each iteration slices its layer's weights; XLA:CPU copies a slice that a dot
+      reads, so on CPU every step would copy all the weights once.
+    - `SwitchedLayers`: the same scan, but each matmul reads its own layer's buffer through a `lax.switch`
+      (`PerLayer`), so nothing is copied per step; compile time still does not grow with depth beyond one dot
+      per weight and layer. The CPU default.
+    - a tuple of per-layer dicts: a Python loop, each layer its own code, indices static (compile time grows
+      with depth).
     """
     if isinstance(layers, tuple):
         for i, w in enumerate(layers):
             with jax.named_scope(f"layer_{i}"):
                 carry = body(carry, w, i)
         return carry
-    num_layers = next(iter(layers.values())).shape[0]
-    dtypes = {name: x.dtype for name, x in layers.items()}
+    stacked = layers.stacked if isinstance(layers, SwitchedLayers) else layers
+    num_layers = (len(layers.per_layer) if isinstance(layers, SwitchedLayers)
+                  else next(iter(stacked.values())).shape[0])
 
-    def step(c, xs):
-        w, i = xs
-        return body(c, {name: from_bits(x, dtypes[name]) for name, x in w.items()}, i), None
+    def step(c, i):
+        # Sliced through the `as_bits` view on CPU (XLA:CPU would convert a whole bf16 stack to float32 to slice
+        # it), inside the loop body so that the view fuses into the slice (`vase_jax.jit`: not hoisted and
+        # materialized as a uint16 copy of every stack).
+        w = {name: from_bits(jax.lax.dynamic_index_in_dim(_sliceable(x), i, keepdims=False), x.dtype)
+             for name, x in stacked.items()}
+        if isinstance(layers, SwitchedLayers):
+            w |= {name: PerLayer(tuple(lw[name] for lw in layers.per_layer), i) for name in layers.per_layer[0]}
+        return body(c, w, i), None
 
-    # scanned over the `as_bits` view on CPU: XLA:CPU would convert each whole bf16 stack to float32 to slice it
-    bits = {name: _sliceable(x) for name, x in layers.items()}
-    return jax.lax.scan(step, carry, (bits, jnp.arange(num_layers, dtype=jnp.int32)), unroll=unroll)[0]
+    return jax.lax.scan(step, carry, jnp.arange(num_layers, dtype=jnp.int32), unroll=unroll)[0]
 
 
 def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """Stacked layer weights -> one dict per layer (static slices, on the `as_bits` view so that XLA:CPU does not
-    convert bf16 stacks to float32 to slice them; inside jit, one copy of the weights)."""
+    """Stacked layer weights -> one dict per layer (static slices: inside jit, one copy of the weights)."""
     num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: from_bits(_sliceable(x)[i], x.dtype) for name, x in layers.items()} for i in range(num_layers))
+    return tuple({name: x[i] for name, x in layers.items()} for i in range(num_layers))
+
+
+def switched_layers(layers: dict[str, jax.Array]) -> SwitchedLayers:
+    """Stacked layer weights -> `SwitchedLayers`: the matmul weights sliced into per-layer buffers once (inside
+    jit, one copy of them), behind an optimization barrier so that XLA does not sink the slices back into the
+    loop's switch branches (where each step would copy them again)."""
+    matmuls = {name: _as_matrix(name, x) for name, x in layers.items() if name not in NORM_PARAMS}
+    per_layer = jax.lax.optimization_barrier(unstack_layers(matmuls))
+    return SwitchedLayers({name: layers[name] for name in NORM_PARAMS}, per_layer)
+
+
+def _as_matrix(name: str, x: jax.Array) -> jax.Array:
+    """A `[layers, ...]` matmul weight stack as `[layers, out, in]`, the 2-D view its matmul reads. Reshaped
+    before the slices, since a reshape left after the optimization barrier is a second copy on XLA:CPU."""
+    return x.reshape(x.shape[0], x.shape[1], -1) if name == "o_proj" else x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def _sliceable(x: jax.Array) -> jax.Array:
@@ -294,10 +364,15 @@ class Qwen3(nnx.Module):
             logits = matmul("ne,ve->nv", x, head[...])
             return logits.reshape(b, t, -1)  # [batch, seq, vocab]
 
-    def layer_weights(self, unstack: bool = False) -> LayerWeights:
-        """The stacked layer weights, or (`unstack`) one dict per layer for an unrolled loop."""
+    def layer_weights(self, loop: str = "scan") -> LayerWeights:
+        """The layer weights in the form `run_layers` runs as `loop` (`LAYER_LOOPS`): "scan" the stacked
+        weights, "switch" `SwitchedLayers`, "unroll" one dict per layer. Inside jit, the last two slice the
+        weights (one copy of them) where they are called: outside the decode loop."""
         stacked = self.layers.weights()
-        return unstack_layers(stacked) if unstack else stacked
+        if loop not in LAYER_LOOPS:
+            raise ValueError(f"loop={loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
+        return {"scan": lambda: stacked, "switch": lambda: switched_layers(stacked),
+                "unroll": lambda: unstack_layers(stacked)}[loop]()
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(
@@ -319,9 +394,10 @@ class Qwen3(nnx.Module):
           written into slots [0, P_b) of the empty `cache` (`vase_jax.cache.init_cache`); padding is dropped.
         - a cache and `seq == 1`: one decode step; each active row's token is written at slot `cache.length[b]`
           and attends over the row's live slots (`attention_impl` picks the decode kernel).
-        `layers`: the layer weights to run (default: this model's, stacked, scanned; `layer_weights(unstack=True)`
-        computed once outside a loop runs them unrolled). `last_logits_only`: logits of the last position only,
-        [batch, 1, vocab] (the LM head is the largest matmul of a prefill).
+        `layers`: the layer weights to run, in the form that picks the layer loop (default: this model's, stacked,
+        scanned; `layer_weights("switch")` or `layer_weights("unroll")` computed once outside a decode loop).
+        `last_logits_only`: logits of the last position only, [batch, 1, vocab] (the LM head is the largest
+        matmul of a prefill).
         """
         b, t = tokens.shape
         decoding = cache is not None and t == 1
