@@ -69,3 +69,18 @@ def prompt_batch(tokenizer):
     import vase_jax as vj
 
     return vj.encode_prompts(tokenizer, PROMPTS)
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """After each test, what `backend_jit` does after each compile (`vase_jax.jit`): clear JAX's caches once the
+    worker holds half the memory mappings Linux allows, since tests also compile with plain `jax.jit`. Without it
+    a worker crashed inside XLA at 65530 mappings, about 110 cached programs in."""
+    yield
+    import warnings
+
+    from vase_jax.jit import release_programs_near_mapping_limit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        release_programs_near_mapping_limit()
