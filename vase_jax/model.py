@@ -403,7 +403,12 @@ class Qwen3(nnx.Module):
     def per_layer_matrices(self, loop: str) -> tuple[dict[str, jax.Array], ...] | None:
         """`per_layer_matrices` of this model's layers when `loop` is "switch", else None: what a decode program
         takes as its `per_layer` argument."""
-        return per_layer_matrices(self.layers.weights()) if loop == "switch" else None
+        if loop != "switch":
+            return None
+        graphdef, state = nnx.split(self)
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):  # abstract (ShapeDtypeStruct) weights
+            return jax.eval_shape(lambda s: per_layer_matrices(nnx.merge(graphdef, s).layers.weights()), state)
+        return per_layer_matrices(self.layers.weights())
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(
