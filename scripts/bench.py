@@ -198,10 +198,11 @@ class Bench:
             cfg, dtype = self.model.cfg, self.model.dtype
             box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed, state)]
             token = jnp.zeros((self.batch,), jnp.int32)
+            per_layer = self.model.per_layer_matrices(resolve_layer_loop(self.args.layer_loop))  # as generate
 
             def call():
                 box[0], tok = vb.decode_steps(self.graphdef, self.state, box[0], token, jnp.int32(length),
-                                              steps, self.args.attention_impl, self.args.layer_loop)
+                                              steps, self.args.attention_impl, self.args.layer_loop, per_layer)
                 return tok
 
             self.memo[key] = vb.time_runs(call, self.args.repeats, 1).map(lambda s: s / steps * 1e3)

@@ -228,11 +228,11 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
 
 @functools.partial(backend_jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
 def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
-            eviction: EvictionConfig) -> EngineState:
+            eviction: EvictionConfig, per_layer=None) -> EngineState:
     """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
     is done, or a row is free with nothing staged while the host has `more` samples."""
     model = nnx.merge(graphdef, params)
-    layers = model.layer_weights(resolve_layer_loop(config.layer_loop))
+    layers = model.layer_weights(resolve_layer_loop(config.layer_loop), per_layer)
     e = e.replace(used=jnp.int32(0), out_count=jnp.int32(0))
     e = _admit(_collect(e, config), staged, phase, config, eviction)
 
@@ -309,6 +309,7 @@ def run(
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
     capacity = framework.capacity_for(eviction, slots, config.max_new_tokens)
+    per_layer = model.per_layer_matrices(resolve_layer_loop(config.layer_loop))  # split once for every round
     graphdef, params = nnx.split(model)
     e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity)
     pending = collections.deque(enumerate(requests))
@@ -317,7 +318,7 @@ def run(
     results: list[Result] = []
     while pending:
         staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at)
-        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction)
+        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, per_layer)
         stats.segments += 1
         count, nums, finished, evictions, samples, tokens = jax.device_get(
             (e.out_count, e.out_num, e.out_finished, e.out_evictions, e.out_sample, e.out_tokens))

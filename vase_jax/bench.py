@@ -270,13 +270,14 @@ def filled_cache(
 
 @functools.partial(backend_jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
 def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str,
-                 layer_loop: str = "auto"):
+                 layer_loop: str = "auto", per_layer=None):
     """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
-    The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token)."""
+    The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token). `per_layer`:
+    the switched loop's weight buffers as `generate` passes them (`Qwen3.per_layer_matrices`); None: split here."""
     model = nnx.merge(graphdef, state)
     start = jnp.full_like(cache.row_pos, start)  # every row
     cache = cache.replace(length=start, seen=start, row_pos=start)
-    layers = model.layer_weights(resolve_layer_loop(layer_loop))  # as generate runs them
+    layers = model.layer_weights(resolve_layer_loop(layer_loop), per_layer)  # as generate runs them
 
     def body(_, carry):
         c, tok = carry

@@ -281,8 +281,10 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))
         input_ids, attention_mask = put(input_ids, rows), put(attention_mask, rows)
         row_ids = put(row_ids, jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh)))
+    per_layer = model.per_layer_matrices(resolve_layer_loop(config.layer_loop))  # switch: split before the program
     graphdef, state = nnx.split(model)
-    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, mesh)
+    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, mesh,
+            per_layer)
 
 
 def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -370,15 +372,16 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
 
 @functools.partial(backend_jit, static_argnums=(0, 7, 8, 9, 10), mesh_argnum=10)
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None,
+              per_layer=None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
         return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction,
-                              capacity, mesh)
+                              capacity, mesh, per_layer)
 
 
 def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-                   eviction: EvictionConfig, capacity: int, mesh) -> GenerateOutput:
+                   eviction: EvictionConfig, capacity: int, mesh, per_layer=None) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     sample_key, evict_key = split_keys(key, b)
@@ -387,8 +390,9 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
                                 config.attention_impl, framework.slot_state(eviction), mesh)
         first = first_tokens(logits, sample_key, row_ids, config, mesh)
-    # switch / unroll: the weights are sliced out of the stacks here, once, so that no step copies them.
-    layers = model.layer_weights(resolve_layer_loop(config.layer_loop))
+    # switch: the per-layer weight buffers come split (`_prepare`); unroll: sliced out of the stacks here, once.
+    # Either way no step copies them.
+    layers = model.layer_weights(resolve_layer_loop(config.layer_loop), per_layer)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
