@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Side-by-side table of the eviction methods on one model: kept-set overlap with SnapKV at the same eviction,
-eviction time per event, and decode tokens/s with periodic eviction.
+eviction time per event, and tokens/s of whole `generate` calls (prefill included) with periodic eviction.
 
     python scripts/compare_methods.py --config qwen3-0.6b --layers 4 --budget 1024 --buffer 64 --out runs/methods
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     import vase_jax as vj
+    from vase_jax import bench as vb
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
 
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         model = vj.Qwen3(Qwen3Config.from_hf_config(hf), dtype=dtype, rngs=nnx.Rngs(0))
         name = f"random {args.config} ({args.layers} layers)"
     cfg = model.cfg
+    load_start = os.getloadavg()
+    warning = vb.load_warning(load_start[0])
+    if warning:
+        print(f"compare_methods.py: warning: {warning}", file=sys.stderr, flush=True)
 
     # ---- one eviction moment: a real-text prompt of N + B tokens, prefilled with its queries --------------------
     tok = vj.load_tokenizer()
@@ -136,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": name, "budget": args.budget, "buffer": args.buffer, "batch": args.batch,
             "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "dtype": args.dtype, "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "repeats": args.repeats}
+            "device": jax.devices()[0].device_kind, "cpu_model": vb.cpu_model(), "repeats": args.repeats,
+            "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in os.getloadavg()]}
     (out / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Model: {name}, {args.dtype}; N={args.budget}, B={args.buffer}, batch {args.batch}, "
-             f"{args.prompt_len}-token prompt, {args.new_tokens} greedy tokens; median of {args.repeats}.", "",
+             f"{args.prompt_len}-token prompt, {args.new_tokens} greedy tokens; median of {args.repeats}. Device "
+             f"{meta['device']}, host CPU {meta['cpu_model']}, jax {jax.__version__}; load average (1, 5, 15 min) "
+             f"at start {meta['load_start']}, at end {meta['load_end']}"
+             f"{' (WARNING: busy machine)' if warning else ''}.", "",
              f"| method | kept-set overlap with {ref_name} | evicted-set overlap with {ref_name} | eviction ms/event "
-             "| decode tokens/s |",
+             "| generate tokens/s (prefill included) |",
              "|---|---|---|---|---|"]
     def fmt(x, spec):
         return "–" if x is None else format(x, spec)
