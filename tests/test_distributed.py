@@ -99,11 +99,14 @@ def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, dev
     assert _results(out) == _results(single)
 
 
-def test_two_processes_resume_after_a_kill_and_match_one_process(work, single):
-    """Two processes on the default mesh (every device in data), killed once the first records are on disk
-    (process 1 first, then the writer) and restarted: the records and summary of one process on one device. (The
-    tensor-parallel tests above run two processes uninterrupted.)"""
+def test_two_processes_match_one_process_and_resume_after_a_kill(work, single):
     total = len(PROBLEMS) * SAMPLES * 2
+    out = work["root"] / "two"
+    _finish(_start_two(work, out))
+    assert _records(out) == _records(single) and len(_records(out)) == total
+    assert _results(out) == _results(single)
+
+    # Killed once the first records are on disk: process 1 first, then the writer; both restarted.
     out = work["root"] / "killed"
     records = out / "records.jsonl"
     procs = _start_two(work, out)
