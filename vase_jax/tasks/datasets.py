@@ -1,4 +1,4 @@
-"""`Problem` and `load_problems`: the packaged JSONL sets (or a user file of the same format) as records.
+"""`load_problems`: the packaged JSONL sets (or a user file of the same format) as records.
 
 Field mapping (the packaged files differ per set; see `vase_jax/data/tasks/README.md`):
 
@@ -10,29 +10,18 @@ Field mapping (the packaged files differ per set; see `vase_jax/data/tasks/READM
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.resources
 import json
 import re
 from pathlib import Path
 
+from vase_jax.tasks import livecodebench
+from vase_jax.tasks.problem import Problem
 from vase_jax.tasks.registry import Task, get_task
 
 QUESTION_FIELDS = ("question", "problem")
 CHOICE_LETTERS = ("A", "B", "C", "D")
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One evaluation question with its gold answer."""
-
-    task: str  # registered task name
-    id: str  # stable id, unique within the task
-    question: str  # stripped question text, before the prompt suffix
-    answer: str  # gold answer, normalized as described in the module docstring
-    choices: tuple[str, ...] | None = None  # GPQA option texts when the file provides them
-    tests: object = None  # code tasks: where the test cases are (`.load()` -> livecodebench.CodeTests)
 
 
 def _gold(raw: object, task: Task, where: str) -> str:
@@ -107,8 +96,6 @@ def load_problems(
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit={limit!r} must be None or an integer >= 0")
     if task.grader == "code":
-        from vase_jax.tasks import livecodebench
-
         return livecodebench.load(data_path, tests_dir, limit)
     if tests_dir is not None:
         raise ValueError(f"tests_dir is only for code tasks, not for task {task.name!r}")

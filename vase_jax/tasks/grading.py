@@ -40,7 +40,7 @@ import functools
 import re
 import threading
 
-from vase_jax.tasks.datasets import Problem
+from vase_jax.tasks.problem import Problem
 from vase_jax.tasks.registry import Task, get_task
 
 TIMEOUT_SECONDS = 5

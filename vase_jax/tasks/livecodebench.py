@@ -52,7 +52,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from vase_jax.sandbox import SandboxConfig, run_python
-from vase_jax.tasks.datasets import Problem
+from vase_jax.tasks.problem import Problem
 
 TASK = "livecodebench"
 DIFFICULTY = "medium"
