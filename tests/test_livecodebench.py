@@ -275,8 +275,44 @@ def test_functional_harness(src, output, passed, reason):
 def test_functional_arguments_are_one_json_value_per_line():
     tests = _fn_tests("f", inputs=('[1, 2, 3]\n"ab"\n{"k": null}',), outputs=('[6, "ab", {"k": null}]',))
     assert lcb.grade(tests, _code("def f(a, s, d):\n    return [sum(a), s, d]"), config=CFG).passed
-    bad = lcb.grade(_fn_tests(inputs=("[1,",)), _code("def f(x):\n    return x"), config=CFG)
-    assert not bad.passed and "bad test data" in bad.reason
+
+
+@pytest.mark.parametrize("inputs, outputs, message", [
+    (("1", "[1,"), ("1", "1"), "bad test data: test 2/2: the input is not one JSON value per line"),
+    (("1",), ("{not json",), "bad test data: test 1/1: the expected output is not JSON"),
+])
+def test_bad_functional_test_data_raises_before_any_program_runs(inputs, outputs, message, tmp_path):
+    """Bad data is the grader's problem, not the program's: ValueError naming the test, and nothing runs (a
+    program that printed a test-data complaint on its result channel would otherwise be believed)."""
+    marker = tmp_path / "ran"
+    code = _code(f"def f(x):\n    return x\nopen({str(marker)!r}, 'w')")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lcb.grade(_fn_tests(inputs=inputs, outputs=outputs), code, config=CFG)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("output, expected", [
+    ("sNaN", "3"),  # a signaling NaN cannot be compared: Decimal raises InvalidOperation
+    ("1 sNaN", "1 2"),
+    ("NaN", "nan"),  # quiet NaNs are never equal as numbers
+    ("\x00\ud800\x1b[2J", "1"),
+    ("9" * 100000, "1"),
+])
+def test_compare_stdout_never_raises(output, expected):
+    reason = lcb.compare_stdout(output, expected)
+    assert reason is not None and reason.startswith("wrong answer") and len(reason) < 300 and reason.isprintable()
+
+
+@pytest.mark.parametrize("value", [
+    {"d": 5}, {"d": [[[1], 2]]}, {"d": [[1]]}, {"t": 5}, {"o": None}, [{"d": [[{"t": [[]]}, 1]]}],
+])
+def test_decode_value_of_odd_payloads_is_caught_by_the_comparison(value):
+    """decode_value may raise on a payload a program forged; run_test turns that into a wrong answer."""
+    try:
+        got = lcb.decode_value(value)
+        assert got != [1]
+    except (TypeError, ValueError):
+        pass
 
 
 @pytest.mark.parametrize("src, passed, reason", [
@@ -354,7 +390,9 @@ def test_eval_random_model_smoke_run(release, tmp_path, capsys):
                               "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert err.count("sandbox: ") == 1
+    from vase_jax.sandbox import probe
+
+    assert err.count(probe().describe()) == 1 and err.count("sandbox: ") == probe().describe().count("sandbox: ")
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len(records) == 4 and {r["problem_id"] for r in records} == {"abc900_b", "3999"}
     assert all(not r["correct"] and r["reason"].startswith("no code") and r["answer"] == "" for r in records)

@@ -1,17 +1,24 @@
 """vase_jax.sandbox through LiveCodeBench grading: hostile programs are contained, graded as failures with a
-reason, leave nothing behind (no file outside their folder, no process, no run folder) and the next program
-runs normally. Limits are small (2 s, 256 MiB, 1 MiB of output) to keep the suite fast; no timing asserts."""
+short reason, leave nothing behind (no file outside their folder, no process, key, IPC object, cgroup or run
+folder) and the next program runs normally. Limits are small (2 s, 256 MiB, 1 MiB of output) to keep the suite
+fast; no timing asserts. The table needs what this machine has (root, namespaces, libseccomp, a cgroup); a case
+that needs a missing one is skipped with the reason."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import typing
 import uuid
 from pathlib import Path
 
 import pytest
 
+import vase_jax.sandbox.core as core
 from vase_jax.sandbox import SandboxConfig, SandboxError, probe, run_python
 from vase_jax.sandbox.core import UID_BASE, UID_SPAN
 from vase_jax.tasks.livecodebench import CodeTests, grade
@@ -19,6 +26,7 @@ from vase_jax.tasks.livecodebench import CodeTests, grade
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
 
 ADD = CodeTests(inputs=("1 2\n", "40 2\n"), outputs=("3\n", "42\n"), fn_name=None)
+HIDDEN = ("/home", "/root", "/work", "/var", "/run", "/mnt", "/srv", "/sys", "/opt")
 
 
 @pytest.fixture
@@ -28,12 +36,56 @@ def cfg(tmp_path):
     return SandboxConfig(timeout=2.0, memory_bytes=256 << 20, output_bytes=1 << 20, tmp_root=str(runs))
 
 
+@pytest.fixture
+def uids(monkeypatch):
+    """The fresh uids of this test's runs (root only). A spy: the real `_fresh_uid` still picks them; the list
+    lets the checks below look at this test's runs only, not at those of another pytest worker."""
+    seen: list[int] = []
+    real = core._fresh_uid
+
+    def spy() -> int:
+        uid = real()
+        seen.append(uid)
+        return uid
+
+    monkeypatch.setattr(core, "_fresh_uid", spy)
+    return seen
+
+
+@pytest.fixture
+def world(tmp_path):
+    """World-readable places outside any run: a data folder in /var/tmp holding a release-style file whose only
+    test expects 42, a unix socket in /var/tmp and an abstract one, both listening."""
+    name = f"vase-test-{uuid.uuid4().hex}"
+    data = Path("/var/tmp") / name
+    data.mkdir(mode=0o755)
+    os.chmod(data, 0o755)
+    release = data / "release.jsonl"
+    release.write_text(json.dumps({"question_id": "q1", "public_test_cases": json.dumps(
+        [{"input": "", "output": "42", "testtype": "stdin"}])}) + "\n")
+    os.chmod(release, 0o644)
+    servers = []
+    for address in (str(data / "service.sock"), "\0" + name):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(address)
+        s.listen()
+        s.settimeout(0.2)
+        servers.append(s)
+    os.chmod(data / "service.sock", 0o777)
+    try:
+        yield {"release": str(release), "sock": str(data / "service.sock"), "abstract": name, "servers": servers}
+    finally:
+        for s in servers:
+            s.close()
+        shutil.rmtree(data, ignore_errors=True)
+
+
 def _fenced(code: str) -> str:
     return f"Here is my solution.\n```python\n{code}\n```\n"
 
 
-def _sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes running as a sandbox uid."""
+def _processes_of(uids: list[int]) -> list[int]:
+    """Live (non-zombie) processes running as one of `uids`."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -44,15 +96,24 @@ def _sandbox_processes() -> list[int]:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         uid = int(fields.get("Uid", "0").split()[0])
-        if UID_BASE <= uid < UID_BASE + UID_SPAN and not fields.get("State", "").strip().startswith("Z"):
+        if uid in uids and not fields.get("State", "").strip().startswith("Z"):
             found.append(int(name))
     return found
 
 
-def _assert_clean_and_usable(cfg: SandboxConfig) -> None:
+def _own_cgroups_left() -> list[str]:
+    """Run cgroups that this process made and that still exist (their names carry this process's pid)."""
+    backend = probe().cgroup_backend
+    if backend is None:
+        return []
+    prefix = f"vase-sandbox-{os.getpid()}-"
+    return [os.path.join(p, n) for _, p in backend.parents for n in os.listdir(p) if n.startswith(prefix)]
+
+
+def _assert_clean_and_usable(cfg: SandboxConfig, uids: list[int]) -> None:
     assert os.listdir(cfg.tmp_root) == []  # every run folder removed
-    if os.geteuid() == 0:
-        assert _sandbox_processes() == []
+    assert _processes_of(uids) == []
+    assert _own_cgroups_left() == []
     ok = grade(ADD, _fenced("a, b = map(int, input().split())\nprint(a + b)"), config=cfg, workers=2)
     assert ok.passed, ok.reason  # the run goes on: the next program works
 
@@ -62,96 +123,316 @@ def test_probe_reports_the_isolation_once():
     assert info is probe()  # cached
     text = info.describe()
     assert text.startswith("sandbox: ")
-    if info.mode == "plain":
-        assert "WARNING" in text
+    if info.mode == "plain" or not info.syscall_filter or not info.cgroup:
+        assert "WARNING" in text  # what is missing is named
     else:
         assert info.readonly_failures == ()
+        assert "syscall filter" in text and "cgroup" in text
 
 
-def test_correct_passes_wrong_fails(cfg):
+def test_correct_passes_wrong_fails(cfg, uids):
     good = grade(ADD, _fenced("a, b = map(int, input().split())\nprint(a + b)"), config=cfg)
     assert good.passed and good.reason == "passed 2/2 tests" and good.tests_passed == 2
     bad = grade(ADD, _fenced("a, b = map(int, input().split())\nprint(a - b)"), config=cfg)
     assert not bad.passed and bad.failed_test == 0 and "wrong answer at line 1: '-1' != '3'" in bad.reason
-    _assert_clean_and_usable(cfg)
+    _assert_clean_and_usable(cfg, uids)
 
 
 def test_program_runs_unprivileged_with_a_scrubbed_environment(cfg, monkeypatch):
     monkeypatch.setenv("VASE_TEST_TOKEN", "hf_secret_value")
-    code = ("import os\nprint(os.getuid())\nprint(sorted(os.environ))\n"
-            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+    code = ("import os\nprint(os.getuid())\nprint(sorted(os.environ))\nstatus = open('/proc/self/status').read()\n"
+            "print(*(status.split(k + ':')[1].split()[0] for k in ('CapEff', 'NoNewPrivs', 'Seccomp')))")
     res = run_python({"p.py": code}, "p.py", config=cfg)
     assert res.failure() is None, res.stderr
-    uid, env, caps = res.stdout.decode().split("\n")[:3]
+    uid, env, flags = res.stdout.decode().split("\n")[:3]
     assert "VASE_TEST_TOKEN" not in env and "hf_secret" not in res.stdout.decode()
-    assert caps == "0000000000000000"  # no capabilities
+    caps, no_new_privs, seccomp = flags.split()
+    assert caps == "0000000000000000" and no_new_privs == "1"  # no capabilities, none to gain
+    assert seccomp == ("2" if probe(cfg).syscall_filter else "0")  # the filter is in force
     if os.geteuid() == 0:
-        assert UID_BASE <= int(uid) < UID_BASE + UID_SPAN
+        assert UID_BASE <= int(uid) < UID_BASE + UID_SPAN and int(uid) == res.uid
 
 
-def _hostile(tmp_path: Path, port: int) -> dict[str, tuple[str, str]]:
-    """name -> (program, expected words of the verdict's reason)."""
+def test_the_program_sees_only_the_allowlisted_view(cfg, world):
+    """Interpreter, standard library, libraries, a minimal /etc and /dev, its own /proc and its work folder: no
+    home, no /work or /var, no current directory of the grader, nothing of the test data."""
+    if probe(cfg).mode != "namespaces":
+        pytest.skip("no namespaces here: the plain mode has no file-system view (its warning says so)")
+    code = ("import os, sys, json\n"
+            "paths = sys.argv[1:]\n"
+            "print(json.dumps({'root': sorted(os.listdir('/')), 'dev': sorted(os.listdir('/dev')),\n"
+            "    'cwd': os.getcwd(), 'work': sorted(os.listdir('.')), 'etc': sorted(os.listdir('/etc')),\n"
+            "    'proc': sorted(p for p in os.listdir('/proc') if p.isdigit()),\n"
+            "    'site': os.listdir(os.path.join(os.path.dirname(os.__file__), 'site-packages')),\n"
+            "    'seen': [p for p in paths if os.path.exists(p)]}))\n"
+            "open('/dev/null', 'w').write('x')\nassert len(open('/dev/urandom', 'rb').read(16)) == 16\n"
+            "import decimal, ssl, sqlite3, ctypes, threading, multiprocessing\n")
+    probes = [*HIDDEN, os.getcwd(), str(Path(core.__file__).parent), world["release"], str(Path.home()),
+              str(cfg.tmp_root), sys.executable, sys.prefix]
+    res = run_python({"p.py": code}, "p.py", args=probes, config=cfg)
+    assert res.failure() is None, res.stderr.decode()[-2000:]
+    seen = json.loads(res.stdout)
+    assert seen["seen"] == []
+    assert set(seen["root"]) <= {"dev", "etc", "proc", "python", "tmp", "usr", "lib", "lib64", "bin", "lib32",
+                                 "libx32", "sbin"}
+    assert seen["dev"] == ["fd", "null", "shm", "stderr", "stdin", "stdout", "urandom", "zero"]
+    assert seen["etc"] == ["group", "hosts", "ld.so.cache", "passwd"] and seen["site"] == []
+    assert (seen["cwd"], seen["work"]) == ("/tmp", ["p.py"])
+    assert seen["proc"][0] == "1" and len(seen["proc"]) == 2  # its own pid namespace: init and itself
+
+
+class Case(typing.NamedTuple):
+    code: str
+    reason: str  # words the verdict's reason must contain
+    output: str = "42"  # the test's expected output
+    fn_name: str | None = None  # a functional test (input "1") instead of a stdin one (input "")
+    needs: tuple[str, ...] = ()  # "namespaces", "filter", "cgroup"
+
+
+MEMORY_FILES = """
+import ctypes, os
+limit, held, chunk = {limit}, 0, b'\\1' * (16 << 20)
+try:  # memfd: RAM in a file that RLIMIT_AS does not count
+    for _ in range(64):
+        fd = os.memfd_create('m')
+        os.write(fd, chunk[:1 << 20])
+        held += 1 << 20
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for _ in range(4):  # System V shared memory: it stays after shmdt, outside the address space
+    shmid = libc.shmget(0, 128 << 20, 0o1000 | 0o600)
+    addr = libc.shmat(shmid, None, 0) if shmid >= 0 else None
+    if addr in (None, ctypes.c_void_p(-1).value):
+        break
+    ctypes.memset(addr, 1, 128 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    held += 128 << 20
+for folder in ('/dev/shm', '/tmp'):  # files on a tmpfs: bounded by its size
+    for i in range(64):
+        try:
+            with open(f'{{folder}}/f{{i}}', 'wb') as fh:
+                fh.write(chunk[:1 << 20])
+            held += 1 << 20
+        except OSError:
+            break
+print('LEAK' if held > limit else 'contained')
+"""
+FORKED_MEMORY = """
+import os, time
+for _ in range(4):
+    if os.fork() == 0:
+        block = b'\\1' * (200 << 20)
+        time.sleep(30)
+        os._exit(0)
+for _ in range(4):
+    os.wait()
+print(42)
+"""
+CHILDREN_SPIN = """
+import os, time
+for _ in range(3):
+    if os.fork() == 0:
+        while True:
+            pass
+time.sleep(60)
+"""
+
+
+def _hostile(tmp_path: Path, port: int, world: dict, cfg: SandboxConfig) -> dict[str, Case]:
     open_dir = tmp_path / "open"
     return {
-        "infinite loop": ("while True:\n    pass", "time limit exceeded"),
-        "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                      "time limit exceeded"),
-        "memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))", "memory limit exceeded"),
-        "1 GB to stdout": ("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)",
-                           "output limit exceeded"),
-        "write outside": (f"open({str(open_dir / 'escaped')!r}, 'w').write('x')\n"
-                          f"open('/tmp/vase-escape-{uuid.uuid4().hex}', 'w').write('x')", "runtime error"),
-        "environment secret": ("import os, glob\nfound = [os.environ.get('VASE_TEST_SECRET', '')]\n"
-                               "for f in glob.glob('/proc/*/environ'):\n    try:\n"
-                               "        found.append(open(f, 'rb').read().decode(errors='replace'))\n"
-                               "    except OSError:\n        pass\n"
-                               "print('LEAK' if any('s3cr3t-value' in f for f in found) else 'no secret')",
-                               "wrong answer"),
-        "socket to 127.0.0.1": (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-                                "s.sendall(b'hello')", "runtime error"),
-        "kill the parent": (f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n"
-                            "os.kill(os.getppid(), signal.SIGKILL)", "runtime error"),
+        "infinite loop": Case("while True:\n    pass", "time limit exceeded"),
+        "fork bomb": Case("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                          "time limit exceeded"),
+        "memory bomb": Case("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))", "memory limit exceeded"),
+        "1 GB to stdout": Case("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n"
+                               "    sys.stdout.write(chunk)", "output limit exceeded"),
+        "write outside": Case(f"open({str(open_dir / 'escaped')!r}, 'w').write('x')\n"
+                              f"open('/var/tmp/vase-escape-{uuid.uuid4().hex}', 'w').write('x')", "runtime error",
+                              needs=("namespaces",)),
+        "environment secret": Case("import os, glob\nfound = [os.environ.get('VASE_TEST_SECRET', '')]\n"
+                                   "for f in glob.glob('/proc/*/environ'):\n    try:\n"
+                                   "        found.append(open(f, 'rb').read().decode(errors='replace'))\n"
+                                   "    except OSError:\n        pass\n"
+                                   "print('LEAK' if any('s3cr3t-value' in f for f in found) else 'no secret')",
+                                   "wrong answer", output="LEAK"),
+        "socket to 127.0.0.1": Case(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                                    "s.sendall(b'hello')", "runtime error"),
+        "kill the parent": Case(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n"
+                                "os.kill(os.getppid(), signal.SIGKILL)", "runtime error"),
+        # 1: a wrong program reads the test cases from the (world-readable) release file, or searches for them
+        "read the test data": Case(
+            "import json, os\ntry:\n"
+            f"    rows = [json.loads(line) for line in open({world['release']!r})]\n"
+            "    print(json.loads(rows[0]['public_test_cases'])[0]['output'])\n"
+            "except OSError:\n"
+            "    tops = [t for t in os.listdir('/') if t not in ('proc', 'python', 'usr', 'lib', 'lib64')]\n"
+            "    found = [os.path.join(d, f) for t in tops for d, _, fs in os.walk('/' + t) for f in fs\n"
+            "             if f.endswith('.jsonl')]\n"
+            "    print(found or 'nothing')", "wrong answer at line 1: 'nothing' != '42'", needs=("namespaces",)),
+        # 2: outputs that made grade() raise
+        "sNaN for a number": Case("print('sNaN')", "wrong answer at line 1"),
+        "result nested too deep": Case("import os\nos.write(int(os.environ['VASE_RESULT_FD']), b'{\"value\": ' + "
+                                       "b'[' * 200000 + b']' * 200000 + b'}')\nos._exit(0)",
+                                       "runtime error: no result returned", fn_name="f"),
+        "result not UTF-8": Case("import os\nos.write(int(os.environ['VASE_RESULT_FD']), b'{\"value\": \"\\xff\"}')\n"
+                                 "os._exit(0)", "runtime error: no result returned", fn_name="f"),
+        "forged test-data error": Case("import os\nos.write(int(os.environ['VASE_RESULT_FD']), "
+                                       "b'{\"input_error\": \"' + b'x' * 500000 + b'\"}')\nos._exit(0)",
+                                       "runtime error: no result returned", fn_name="f"),
+        "long error": Case("import os\nos.write(int(os.environ['VASE_RESULT_FD']), "
+                           "b'{\"error\": \"' + b'E' * 500000 + b'\"}')\nos._exit(0)", "runtime error: EEEE",
+                           fn_name="f"),
+        "long stderr line": Case("raise ValueError('x' * 100000 + '\\x1b[2J' + 'tail')",
+                                 "runtime error (exit code 1): xxxx"),  # the tail of a 100 kB line
+        # 3: memory that RLIMIT_AS does not count
+        "memory-backed files": Case(MEMORY_FILES.format(limit=cfg.memory_bytes + cfg.disk_bytes),
+                                    "'contained' != 'LEAK'", output="LEAK", needs=("filter",)),
+        "memory over several processes": Case(FORKED_MEMORY, "memory limit exceeded", needs=("cgroup",)),
+        "children burn the CPU": Case(CHILDREN_SPIN, "CPU, all processes together", needs=("cgroup",)),
+        # 4: state that would outlive the run (the per-user counts are checked in a test of its own below)
+        "keyring": Case("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                        "key = libc.syscall(248, b'user', b'vase-test', b'secret', 6, -4)\n"
+                        "print('LEAK' if key > 0 else 'refused')", "'refused' != 'LEAK'",
+                        output="LEAK", needs=("filter",)),
+        # 5: local services
+        "unix sockets": Case("import socket\nfor address in ({sock!r}, '\\0' + {abstract!r}):\n    try:\n"
+                             "        s = socket.socket(socket.AF_UNIX)\n        s.connect(address)\n"
+                             "        s.sendall(b'hello')\n        print('LEAK')\n"
+                             "    except OSError as e:\n        print(type(e).__name__)".format(**world),
+                             "wrong answer", output="LEAK"),
     }
 
 
 HOSTILE = ["infinite loop", "fork bomb", "memory bomb", "1 GB to stdout", "write outside", "environment secret",
-           "socket to 127.0.0.1", "kill the parent"]
-NEEDS_NAMESPACES = {"write outside", "socket to 127.0.0.1"}
+           "socket to 127.0.0.1", "kill the parent", "read the test data", "sNaN for a number",
+           "result nested too deep", "result not UTF-8", "forged test-data error", "long error", "long stderr line",
+           "memory-backed files", "memory over several processes", "children burn the CPU", "keyring",
+           "unix sockets"]
+
+
+def _missing(needs: tuple[str, ...], cfg: SandboxConfig) -> str | None:
+    info = probe(cfg)
+    have = {"namespaces": info.mode == "namespaces", "filter": info.syscall_filter, "cgroup": bool(info.cgroup)}
+    lacking = [n for n in needs if not have[n]]
+    return f"this machine has no {', '.join(lacking)} (the sandbox's warning says so)" if lacking else None
 
 
 @pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_program_is_contained(name, cfg, tmp_path, monkeypatch):
-    if name in NEEDS_NAMESPACES and probe(cfg).mode != "namespaces":
-        pytest.skip("plain mode has no network namespace and no read-only view (its warning says so)")
+def test_hostile_program_is_contained(name, cfg, uids, tmp_path, monkeypatch, world):
     monkeypatch.setenv("VASE_TEST_SECRET", "s3cr3t-value")
     (tmp_path / "open").mkdir()
-    os.chmod(tmp_path / "open", 0o777)  # writable for anyone: only the read-only view can stop the write
+    os.chmod(tmp_path / "open", 0o777)  # writable for anyone: only the file-system view can stop the write
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
     server.settimeout(0.2)
-    before = set(os.listdir("/tmp"))
+    case = _hostile(tmp_path, server.getsockname()[1], world, cfg)[name]
+    why = _missing(case.needs, cfg)
+    if why:
+        server.close()
+        pytest.skip(why)
+    before = set(os.listdir("/var/tmp"))
     try:
-        code, expected = _hostile(tmp_path, server.getsockname()[1])[name]
-        tests = CodeTests(inputs=("",), outputs=("LEAK" if name == "environment secret" else "42",), fn_name=None)
-        verdict = grade(tests, _fenced(code), config=cfg)
+        tests = CodeTests(inputs=("1" if case.fn_name else "",), outputs=(case.output,), fn_name=case.fn_name)
+        verdict = grade(tests, _fenced(case.code), config=cfg)
         assert not verdict.passed and verdict.failed_test == 0
-        assert expected in verdict.reason, verdict.reason
-        with pytest.raises(TimeoutError):  # nothing ever connected to the host's loopback
-            server.accept()
+        assert case.reason in verdict.reason, verdict.reason
+        assert len(verdict.reason) <= 400 and verdict.reason.isprintable()  # a short excerpt at most
+        for s in (server, *world["servers"]):
+            with pytest.raises(TimeoutError):  # nothing ever connected to the host's services
+                s.accept()
     finally:
         server.close()
     assert not (tmp_path / "open" / "escaped").exists()
-    assert not [f for f in set(os.listdir("/tmp")) - before if f.startswith("vase-escape-")]
-    _assert_clean_and_usable(cfg)
+    assert not [f for f in set(os.listdir("/var/tmp")) - before if f.startswith("vase-escape-")]
+    _assert_clean_and_usable(cfg, uids)
 
 
-def test_functional_harness_is_contained_too(cfg):
+def test_functional_harness_is_contained_too(cfg, uids):
     tests = CodeTests(inputs=("[1, 2]",), outputs=("3",), fn_name="add")
     code = "class Solution:\n    def add(self, nums):\n        while True:\n            pass"
     verdict = grade(tests, _fenced(code), config=cfg)
     assert not verdict.passed and "time limit exceeded" in verdict.reason
-    _assert_clean_and_usable(cfg)
+    _assert_clean_and_usable(cfg, uids)
+
+
+LEAVE_BEHIND = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+made = []
+for name, call in [('key', lambda: libc.syscall(248, b'user', b'vase', b'x', 1, -4)),
+                   ('session key', lambda: libc.syscall(248, b'user', b'vase', b'x', 1, -3)),
+                   ('shm', lambda: libc.shmget(0, 1 << 20, 0o1000 | 0o600)),
+                   ('msg', lambda: libc.msgget(0, 0o1000 | 0o600)),
+                   ('sem', lambda: libc.semget(0, 1, 0o1000 | 0o600)),
+                   ('mqueue', lambda: libc.syscall(240, b'vase-test', 0o100 | 0o2, 0o600, None))]:
+    if call() >= 0:
+        made.append(name)
+for folder in ('/tmp', '/var/tmp', '/dev/shm'):
+    try:
+        open(f'{folder}/vase-left-{os.getpid()}', 'w').write('x')
+        made.append(folder)
+    except OSError:
+        pass
+if os.fork() == 0:  # a daemon: new session, out of the process group, sleeping
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(300)
+    os._exit(0)
+os.wait()
+print(os.getuid(), *made)
+"""
+
+
+def _key_users() -> dict[int, str]:
+    rows = {}
+    for line in Path("/proc/key-users").read_text().splitlines():
+        uid, _, rest = line.partition(":")
+        rows[int(uid)] = rest.strip()
+    return rows
+
+
+def _ipc_owned_by(uid: int) -> list[str]:
+    found = []
+    for kind in ("shm", "msg", "sem"):
+        lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        header = lines[0].split()
+        found += [f"{kind} {line}" for line in lines[1:] if int(line.split()[header.index("uid")]) == uid]
+    return found
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "plain"])
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/key-users"),
+                    reason="tells a run's objects by its fresh uid (root only) in /proc/key-users")
+def test_nothing_of_a_run_outlives_its_verdict(isolation, request, uids):
+    """Keys, System V objects, POSIX queues, files in shared folders and a daemonized process: the kernel's
+    per-user counts for the run's uid are the same after the run as before it (none), whatever it tried."""
+    runs = Path(tempfile.mkdtemp(prefix="vase-runs-", dir="/var/tmp"))  # plain mode: the uid must reach it
+    os.chmod(runs, 0o711)
+    request.addfinalizer(lambda: shutil.rmtree(runs, ignore_errors=True))
+    cfg = SandboxConfig(timeout=5.0, memory_bytes=256 << 20, output_bytes=1 << 20, tmp_root=str(runs),
+                        isolation=isolation)
+    if isolation == "namespaces" and probe(cfg).mode != "namespaces":
+        pytest.skip("no namespaces here")
+    if not probe(cfg).syscall_filter:
+        pytest.skip("no syscall filter here (libseccomp missing): keys would outlive the run, as its warning says")
+    keys_before = _key_users()
+    res = run_python({"p.py": LEAVE_BEHIND}, "p.py", config=cfg)
+    assert res.failure() is None, res.stderr.decode()[-2000:]
+    uid, *made = res.stdout.decode().split()
+    assert int(uid) == res.uid == uids[-1]
+    assert not {"key", "session key", "shm", "msg", "sem", "mqueue"} & set(made)  # the filter refused them all
+    assert (isolation == "plain") == ("/var/tmp" in made)  # plain mode: the shared folders are writable...
+    assert res.uid not in _key_users() and _key_users().keys() <= keys_before.keys() | {0}
+    assert _ipc_owned_by(res.uid) == []
+    assert _processes_of([res.uid]) == []  # the daemon is gone too
+    left = [os.path.join(d, f) for d in ("/tmp", "/var/tmp", "/dev/shm") for f in os.listdir(d)
+            if os.lstat(os.path.join(d, f)).st_uid == res.uid]
+    assert left == []  # ... and emptied of the run's files after it
+    assert _own_cgroups_left() == [] and os.listdir(runs) == []
 
 
 def test_bad_config_names_the_parameter(tmp_path):
@@ -161,6 +442,8 @@ def test_bad_config_names_the_parameter(tmp_path):
         SandboxConfig(isolation="docker").validate()
     with pytest.raises(ValueError, match="SandboxConfig.tmp_root"):
         SandboxConfig(tmp_root=str(tmp_path / "missing")).validate()
+    with pytest.raises(ValueError, match="SandboxConfig.cgroup_parent=.*not a cgroup folder"):
+        SandboxConfig(cgroup_parent=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="script="):
         run_python({"a.py": ""}, "b.py")
     with pytest.raises(SandboxError, match="no Python interpreter"):
@@ -168,22 +451,28 @@ def test_bad_config_names_the_parameter(tmp_path):
 
 
 DRIVER = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sandbox_core", sys.argv[1])
-core = importlib.util.module_from_spec(spec)
-sys.modules["sandbox_core"] = core
-spec.loader.exec_module(core)
-cfg = core.SandboxConfig(timeout=2.0, memory_bytes=256 << 20, output_bytes=1 << 20, tmp_root=sys.argv[2])
-info = core.probe(cfg)
-out = {"mode": info.mode, "user_namespace": info.user_namespace}
+import importlib.util, json, os, sys
+package, pyseccomp_dir, runs, target, secret, public = sys.argv[1:7]
+sys.path.append(pyseccomp_dir)  # the filter's binding, from the test's environment
+spec = importlib.util.spec_from_file_location("sandbox", os.path.join(package, "__init__.py"),
+                                              submodule_search_locations=[package])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+cfg = sandbox.SandboxConfig(timeout=2.0, memory_bytes=256 << 20, output_bytes=1 << 20, tmp_root=runs)
+info = sandbox.probe(cfg)
+out = {"mode": info.mode, "user_namespace": info.user_namespace, "filter": info.syscall_filter,
+       "cgroup": info.cgroup, "warnings": info.warnings}
 programs = {
     "caps": "import os; print(os.getuid(), open('/proc/self/status').read().split('CapEff:')[1].split()[0])",
-    "write": "open(%r, 'w').write('x')" % sys.argv[3],
+    "write": "open(%r, 'w').write('x')" % target,
     "mount": "import ctypes; print(ctypes.CDLL(None).mount(None, b'/', None, 4096 | 32, None))",
     "fork": "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass",
+    "read": "import os\\nfor p in %r:\\n    try:\\n        print(open(p).read())\\n    except OSError as e:\\n"
+            "        print(type(e).__name__)\\nprint(sorted(os.listdir('/')))" % ([secret, public],),
 }
 for name, code in programs.items():
-    res = core.run_python({"p.py": code}, "p.py", config=cfg)
+    res = sandbox.run_python({"p.py": code}, "p.py", config=cfg)
     out[name] = [res.failure(), res.stdout.decode()]
 print(json.dumps(out))
 """
@@ -191,38 +480,66 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv")
                     or not os.path.exists("/usr/bin/python3"), reason="needs root, setpriv and /usr/bin/python3")
-def test_an_unprivileged_caller_gets_a_user_namespace_without_capabilities():
-    """The same sandbox started by a normal user (uid 65533 here): namespaces inside a user namespace."""
-    import json
-    import shutil
+def test_an_unprivileged_grader_gets_a_user_namespace_and_hides_its_own_files():
+    """The same sandbox started by a normal user (uid 65533 here, with the system Python): namespaces inside a
+    user namespace, no capability, and the grader's own private file and a world-readable one both invisible."""
     import subprocess
-    import tempfile
 
-    import vase_jax.sandbox.core as core
+    import pyseccomp
 
-    base = tempfile.mkdtemp(prefix="vase-userns-test-", dir="/tmp")  # reachable by the unprivileged uid
+    base = Path(tempfile.mkdtemp(prefix="vase-userns-test-", dir="/tmp"))  # reachable by the unprivileged uid
     try:
-        os.chmod(base, 0o777)
-        (Path(base) / "runs").mkdir(mode=0o777)
-        os.chmod(Path(base) / "runs", 0o777)
-        target = Path(base) / "escaped"
-        (Path(base) / "driver.py").write_text(DRIVER)
+        os.chmod(base, 0o755)
+        home = base / "home"
+        home.mkdir()
+        (home / "id_token").write_text("PRIVATE-TOKEN-of-65533")
+        (base / "public.txt").write_text("PUBLIC-DATA")
+        os.chmod(base / "public.txt", 0o644)
+        runs = base / "runs"
+        runs.mkdir()
+        for p in (home, home / "id_token", runs):
+            os.chown(p, 65533, 65533)
+        os.chmod(home, 0o700)
+        os.chmod(home / "id_token", 0o600)
+        target = base / "escaped"
+        (base / "driver.py").write_text(DRIVER)
         res = subprocess.run(["/usr/bin/setpriv", "--reuid=65533", "--regid=65533", "--clear-groups",
-                              "/usr/bin/python3", "-I", str(Path(base) / "driver.py"), core.__file__,
-                              str(Path(base) / "runs"), str(target)],
+                              "/usr/bin/python3", "-I", str(base / "driver.py"), str(Path(core.__file__).parent),
+                              str(Path(pyseccomp.__file__).parent), str(runs), str(target),
+                              str(home / "id_token"), str(base / "public.txt")],
                              capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
         assert res.returncode == 0, res.stderr[-2000:]
         out = json.loads(res.stdout.strip().splitlines()[-1])
         if out["mode"] != "namespaces":
             pytest.skip("user namespaces are not allowed for unprivileged users here")
-        assert out["user_namespace"] is True
+        assert out["user_namespace"] is True and out["filter"] is True
+        assert out["cgroup"] == "" and any("no cgroup" in w for w in out["warnings"])  # none delegated: said so
         assert out["caps"] == [None, "0 0000000000000000\n"]  # root of its namespace, but no capability
         assert out["write"][0].startswith("runtime error") and not target.exists()
         assert out["mount"] == [None, "-1\n"]  # cannot remount anything writable
         assert out["fork"][0].startswith("time limit exceeded")
-        assert os.listdir(Path(base) / "runs") == []
+        failure, stdout = out["read"]
+        assert failure is None and "PRIVATE" not in stdout and "PUBLIC" not in stdout
+        assert stdout.splitlines()[:2] == ["FileNotFoundError", "FileNotFoundError"]
+        assert not {"home", "root", "var", "work"} & set(json.loads(stdout.splitlines()[2].replace("'", '"')))
+        assert os.listdir(runs) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+KILLED_DRIVER = """
+import sys
+import vase_jax.sandbox.core as core
+cfg = core.SandboxConfig(timeout=300, tmp_root=sys.argv[1])
+core.probe(cfg)  # its own short runs first
+real = core._fresh_uid
+def announce():
+    uid = real()
+    print(uid, flush=True)
+    return uid
+core._fresh_uid = announce
+core.run_python({'p.py': 'import time; time.sleep(300)'}, 'p.py', config=cfg)
+"""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="finds the sandbox's processes by their fresh uid (root only)")
@@ -232,20 +549,19 @@ def test_a_killed_grader_takes_its_sleeping_program_down(tmp_path):
     import subprocess
     import time
 
-    driver = ("import sys\nfrom vase_jax.sandbox import SandboxConfig, run_python\n"
-              "run_python({'p.py': 'import time; time.sleep(300)'}, 'p.py', "
-              "config=SandboxConfig(timeout=300, tmp_root=sys.argv[1]))\n")
     (tmp_path / "runs").mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", driver, str(tmp_path / "runs")])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(tmp_path / "runs")], stdout=subprocess.PIPE,
+                            text=True)
     try:
+        uid = int(proc.stdout.readline())  # the sleeper's fresh uid, printed when it is picked
         deadline = time.monotonic() + 60
-        while not _sandbox_processes() and time.monotonic() < deadline:
+        while not _processes_of([uid]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _sandbox_processes(), "the sandboxed program never started"
+        assert _processes_of([uid]), "the sandboxed program never started"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 10
-    while _sandbox_processes() and time.monotonic() < deadline:
+    while _processes_of([uid]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _sandbox_processes() == []
+    assert _processes_of([uid]) == []

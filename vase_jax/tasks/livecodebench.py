@@ -52,6 +52,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from vase_jax.sandbox import SandboxConfig, run_python
+from vase_jax.sandbox.core import excerpt
 from vase_jax.tasks.problem import Problem
 
 TASK = "livecodebench"
@@ -425,22 +426,34 @@ def _decimals(line: str) -> list[Decimal] | None:
         return None
 
 
+def _same_numbers(a: str, b: str) -> bool:
+    """Both lines are the same numbers as exact Decimals (a signaling NaN, which cannot be compared, is not)."""
+    da, db = _decimals(a), _decimals(b)
+    if da is None or db is None or len(da) != len(db):
+        return False
+    try:
+        return all(x == y for x, y in zip(da, db, strict=True))
+    except ArithmeticError:  # InvalidOperation: sNaN in a comparison
+        return False
+
+
 def _short(s: str, n: int = 80) -> str:
+    """A printable excerpt of at most about `n` characters (repr: control characters escaped)."""
     return repr(s if len(s) <= n else s[: n // 2] + "..." + s[-n // 2:])
 
 
 def compare_stdout(output: str, expected: str) -> str | None:
-    """None if a stdin problem's output matches as LiveCodeBench compares them, else why not."""
-    got, want = _stripped_lines(output), _stripped_lines(expected)
-    if len(got) != len(want):
-        return f"wrong answer: {len(got)} output lines, expected {len(want)}"
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        if a == b:
-            continue
-        da, db = _decimals(a), _decimals(b)
-        if da is None or db is None or da != db:
-            return f"wrong answer at line {i + 1}: {_short(a)} != {_short(b)}"
-    return None
+    """None if a stdin problem's output matches as LiveCodeBench compares them, else why not (never raises)."""
+    try:
+        got, want = _stripped_lines(output), _stripped_lines(expected)
+        if len(got) != len(want):
+            return f"wrong answer: {len(got)} output lines, expected {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b and not _same_numbers(a, b):
+                return f"wrong answer at line {i + 1}: {_short(a)} != {_short(b)}"
+        return None
+    except Exception as e:  # whatever a program prints is a wrong answer, never a crash
+        return f"wrong answer: the output could not be compared ({type(e).__name__})"
 
 
 class _Opaque:
@@ -475,8 +488,48 @@ def _harness() -> str:
     return Path(__file__).with_name("lcb_harness.py").read_text(encoding="utf-8")
 
 
+def _arguments(text: str, i: int, n: int) -> list:
+    """A functional test's arguments (one JSON value per input line); ValueError: bad test data."""
+    try:
+        return [json.loads(line) for line in text.split("\n")]
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"bad test data: test {i + 1}/{n}: the input is not one JSON value per line ({e})") from None
+
+
+def _expected(text: str, i: int, n: int) -> object:
+    """A functional test's expected value; ValueError: bad test data."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"bad test data: test {i + 1}/{n}: the expected output is not JSON ({e})") from None
+
+
+def check_tests(tests: CodeTests) -> None:
+    """Raise ValueError (naming the test) if a functional test's input or expected output cannot be parsed, so
+    that bad test data is reported before any program runs (and a program cannot pretend it is bad)."""
+    if tests.fn_name is None:
+        return
+    n = len(tests.inputs)
+    for i in range(n):
+        _arguments(tests.inputs[i], i, n)
+        _expected(tests.outputs[i], i, n)
+
+
+def _reply(raw: bytes | None) -> dict | None:
+    """The harness's result-channel message, or None when it is not one (the program may write anything)."""
+    try:
+        reply = json.loads(raw or b"null")
+    except Exception:  # invalid UTF-8, bad JSON, nesting deeper than the decoder's recursion
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
 def run_test(code: str, tests: CodeTests, i: int, config: SandboxConfig) -> str | None:
-    """Run test `i` of `tests` on `code` in the sandbox: None if it passes, else the reason."""
+    """Run test `i` of `tests` on `code` in the sandbox: None if it passes, else the reason.
+
+    Never raises for what the program prints, returns or writes to its result channel; raises ValueError for
+    bad test data and SandboxError when the sandbox cannot start.
+    """
     files = {"harness.py": _harness(), "solution.py": code}
     if tests.fn_name is None:
         res = run_python(files, "harness.py", ["stdio", "solution.py"], stdin=tests.inputs[i], config=config)
@@ -484,31 +537,25 @@ def run_test(code: str, tests: CodeTests, i: int, config: SandboxConfig) -> str 
         if failure:
             return failure
         return compare_stdout(res.stdout.decode("utf-8", errors="replace"), tests.outputs[i])
+    n = len(tests.inputs)
+    _arguments(tests.inputs[i], i, n)
+    expected = _expected(tests.outputs[i], i, n)
     res = run_python(files, "harness.py", ["call", "solution.py", tests.fn_name], stdin=tests.inputs[i],
                      config=config, result_channel=True)
-    try:
-        reply = json.loads(res.result or b"null")
-    except ValueError:
-        reply = None
-    if isinstance(reply, dict) and "input_error" in reply:
-        return f"bad test data: {reply['input_error']}"
     failure = res.failure()
     if failure:
         return failure
-    if not isinstance(reply, dict) or "value" not in reply:
-        return "runtime error: " + (str(reply.get("error")) if isinstance(reply, dict) else "no result returned")
-    try:
-        expected = json.loads(tests.outputs[i])
-    except ValueError as e:
-        return f"bad test data: the expected output is not JSON ({e})"
+    reply = _reply(res.result)
+    if reply is None or "value" not in reply:
+        error = reply.get("error") if reply is not None else None
+        return "runtime error: " + (excerpt(error) if isinstance(error, str) else "no result returned")
     try:
         got = decode_value(reply["value"])
-        equal = got == expected
-    except (TypeError, ValueError, RecursionError):
-        got, equal = "<unreadable result>", False
-    if not equal:
+        if bool(got == expected):
+            return None
         return f"wrong answer: {_short(repr(got))} != {_short(repr(expected))}"
-    return None
+    except Exception as e:  # a result too deep or too odd to decode, compare or show
+        return f"wrong answer: unreadable result ({type(e).__name__})"
 
 
 def _as_problem(problem: Problem | Mapping) -> tuple[str, CodeTests]:
@@ -529,13 +576,17 @@ def grade(problem: Problem | Mapping | CodeTests, completion: str, *, config: Sa
 
     `problem`: a `Problem` from `load` (or a release row dict, or `CodeTests`). `config`: the sandbox limits
     (default: 30 s per test). `workers`: tests run at once (default: the CPU count). The problem's global limit
-    is (timeout + 1) * n_tests + 5 seconds. Never raises on what the code does; bad test data raises ValueError.
+    is (timeout + 1) * n_tests + 5 seconds. Never raises on what the code does, prints or returns (any output,
+    exit status or result-channel content is a failed verdict with a reason, which quotes at most a short,
+    sanitized excerpt of the program's output); raises ValueError for bad test data (checked before any test
+    runs) and SandboxError when the sandbox cannot start.
     """
     config = (config or SandboxConfig(timeout=TEST_TIMEOUT)).validate()
     workers = (os.cpu_count() or 1) if workers is None else workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} must be a positive integer")
     _, tests = _as_problem(problem)
+    check_tests(tests)
     n = len(tests.inputs)
     if n == 0:
         return Verdict(False, "the problem has no test cases", 0, 0)
