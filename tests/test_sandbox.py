@@ -470,6 +470,10 @@ programs = {
     "fork": "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass",
     "read": "import os\\nfor p in %r:\\n    try:\\n        print(open(p).read())\\n    except OSError as e:\\n"
             "        print(type(e).__name__)\\nprint(sorted(os.listdir('/')))" % ([secret, public],),
+    "init": "import os\\nfds = [lambda n=n: open('/proc/1/fd/' + n, 'rb') for n in os.listdir('/proc/1/fd')]\\n"
+            "for f in (*fds, lambda: os.readlink('/proc/1/root'), lambda: open('/proc/1/environ').read(),\\n"
+            "          lambda: open('/proc/1/mem', 'rb')):\\n"
+            "    try:\\n        print(f())\\n    except OSError as e:\\n        print(type(e).__name__)",
 }
 for name, code in programs.items():
     res = sandbox.run_python({"p.py": code}, "p.py", config=cfg)
@@ -522,6 +526,8 @@ def test_an_unprivileged_grader_gets_a_user_namespace_and_hides_its_own_files():
         assert failure is None and "PRIVATE" not in stdout and "PUBLIC" not in stdout
         assert stdout.splitlines()[:2] == ["FileNotFoundError", "FileNotFoundError"]
         assert not {"home", "root", "var", "work"} & set(json.loads(stdout.splitlines()[2].replace("'", '"')))
+        failure, stdout = out["init"]  # same uid as pid 1 (it holds the status file): no capability, not dumpable
+        assert failure is None and set(stdout.split()) == {"PermissionError"} and len(stdout.split()) >= 6
         assert os.listdir(runs) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)

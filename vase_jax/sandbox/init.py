@@ -249,9 +249,8 @@ def main():
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     lifeline = spec.get("lifeline_fd")
-    if lifeline is not None:  # the parent holds the other end: end of file = the parent died, so end the run
+    if lifeline is not None:
         os.set_inheritable(lifeline, False)  # not for the program
-        threading.Thread(target=_watch, args=(lifeline, spec.get("view") is not None), daemon=True).start()
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
@@ -272,6 +271,8 @@ def main():
     os.close(wfd)
     for fd in cgroup_fds:
         os.close(fd)
+    if lifeline is not None:  # the parent holds the other end: end of file = the parent died, so end the run
+        threading.Thread(target=_watch, args=(lifeline, spec.get("view") is not None), daemon=True).start()
     err = b""
     while True:
         chunk = os.read(rfd, 4096)
