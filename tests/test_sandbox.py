@@ -20,6 +20,7 @@ import pytest
 
 import vase_jax.sandbox.core as core
 from vase_jax.sandbox import SandboxConfig, SandboxError, probe, run_python
+from vase_jax.sandbox.cgroup import find_backend
 from vase_jax.sandbox.core import UID_BASE, UID_SPAN
 from vase_jax.tasks.livecodebench import CodeTests, grade
 
@@ -571,3 +572,25 @@ def test_a_killed_grader_takes_its_sleeping_program_down(tmp_path):
     while _processes_of([uid]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_of([uid]) == []
+    backend = find_backend(None) if probe().cgroup_backend else None  # removes a killed grader's cgroups
+    if backend is not None:
+        assert [n for _, p in backend.parents for n in os.listdir(p) if n.startswith(f"vase-sandbox-{proc.pid}-")] == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes cgroups (root here)")
+def test_cgroups_of_a_killed_grader_are_removed_by_the_next_one():
+    backend = probe().cgroup_backend
+    if backend is None:
+        pytest.skip("no cgroup here (the sandbox's warning says so)")
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # a pid no process can have
+    stale = [os.path.join(p, f"vase-sandbox-{gone}-0123456789ab") for _, p in backend.parents]
+    live = [os.path.join(p, f"vase-sandbox-{os.getpid()}-0123456789ab") for _, p in backend.parents]
+    for d in stale + live:
+        os.mkdir(d)
+    try:
+        find_backend(None)
+        assert [os.path.exists(d) for d in stale + live] == [False] * len(stale) + [True] * len(live)
+    finally:
+        for d in stale + live:
+            if os.path.exists(d):
+                os.rmdir(d)

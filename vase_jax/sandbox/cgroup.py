@@ -25,6 +25,7 @@ import time
 
 V1_CONTROLLERS = ("memory", "pids", "cpuacct")
 V2_CONTROLLERS = ("memory", "pids")
+RUN_PREFIX = "vase-sandbox-"  # run cgroups are RUN_PREFIX + "<grader pid>-<random hex>"
 
 
 class CgroupError(RuntimeError):
@@ -164,7 +165,7 @@ class CgroupBackend:
 
     def create(self, memory_bytes: int, max_pids: int) -> RunCgroup:
         """A fresh cgroup with these limits; raises OSError (and leaves nothing) if it cannot be made."""
-        name = f"vase-sandbox-{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         run = RunCgroup(self.version, {})
         try:
             for controller, parent in self.parents:
@@ -255,4 +256,27 @@ def find_backend(parent: str | None) -> CgroupBackend:
         backend.create(64 << 20, 8).remove(patience=1.0)
     except OSError as e:
         raise CgroupError(f"cannot create a cgroup with {backend.describe()}: {e}") from None
+    remove_stale(backend)
     return backend
+
+
+def remove_stale(backend: CgroupBackend) -> list[str]:
+    """Remove the empty run cgroups left by graders that were killed mid-run (their process is gone)."""
+    removed = []
+    for _, parent in backend.parents:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            parts = name.split("-")
+            if not name.startswith(RUN_PREFIX) or len(parts) != 4 or not parts[2].isdigit():
+                continue
+            if os.path.exists(f"/proc/{parts[2]}"):
+                continue
+            try:
+                os.rmdir(os.path.join(parent, name))  # refused while a process is still inside
+                removed.append(os.path.join(parent, name))
+            except OSError:
+                pass
+    return removed
