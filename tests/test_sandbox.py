@@ -436,6 +436,48 @@ def test_nothing_of_a_run_outlives_its_verdict(isolation, request, uids):
     assert _own_cgroups_left() == [] and os.listdir(runs) == []
 
 
+SNOOP = """
+import glob, os, sys, time
+found = []
+for _ in range(40):  # look for another run's folder, then try to read what it holds
+    for run in glob.glob(os.path.join(sys.argv[1], 'vase-sandbox-*')):
+        names = ['stdin', 'stdout', 'stderr', 'result', 'spec.json', 'src/v.py', 'work/v.py']  # guessable
+        for path in glob.glob(run + '/*') + glob.glob(run + '/*/*') + [os.path.join(run, n) for n in names]:
+            try:
+                found.append(open(path, 'rb').read())
+            except OSError:
+                pass
+    if any(b'victim-secret' in f for f in found):
+        break
+    time.sleep(0.05)
+print('LEAK' if any(b'victim-secret' in f for f in found) else 'nothing')
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as fresh uids (root only)")
+def test_a_plain_run_cannot_read_another_runs_folder(request, uids):
+    """With run folders in a listable place (a TMPDIR outside /tmp) and no file-system view, a program finds
+    another run's folder but reads nothing of it: its input, output and files are the grader's (0600)."""
+    import threading
+
+    runs = Path(tempfile.mkdtemp(prefix="vase-runs-", dir="/var/tmp"))
+    os.chmod(runs, 0o755)  # listable by anyone
+    request.addfinalizer(lambda: shutil.rmtree(runs, ignore_errors=True))
+    cfg = SandboxConfig(timeout=5.0, memory_bytes=256 << 20, output_bytes=1 << 20, tmp_root=str(runs),
+                        isolation="plain")
+    probe(cfg)
+    victim = threading.Thread(target=run_python, args=({"v.py": "import time\n# victim-secret\ntime.sleep(2)"},
+                                                         "v.py"), kwargs={"stdin": "victim-secret", "config": cfg})
+    victim.start()
+    try:
+        res = run_python({"p.py": SNOOP}, "p.py", args=[str(runs)], config=cfg)
+    finally:
+        victim.join()
+    assert res.failure() is None, res.stderr.decode()[-2000:]
+    assert res.stdout.decode().strip() == "nothing"
+    assert os.listdir(runs) == [] and _processes_of(uids) == []
+
+
 def test_bad_config_names_the_parameter(tmp_path):
     with pytest.raises(ValueError, match="SandboxConfig.timeout"):
         SandboxConfig(timeout=0).validate()
