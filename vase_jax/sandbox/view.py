@@ -1,8 +1,9 @@
 """The allowlisted file-system view of a sandboxed program: what it may see, planned once per interpreter.
 
-`plan_view(python)` asks the interpreter where its standard library is, lists the shared libraries that it and
-its extension modules load (the dynamic loader's `--list`), and returns a `ViewPlan`: a list of operations that
-`init.py` carries out on an empty tmpfs before it becomes the program's root:
+`plan_view(python)` asks the interpreter (run once, outside the sandbox: it is the grader's own) where its
+standard library is and which shared libraries it maps after importing every extension module of its
+lib-dynload folder, and returns a `ViewPlan`: a list of operations that `init.py` carries out on an empty tmpfs
+before it becomes the program's root:
 
 * `("dir", path)`, `("symlink", path, target)`, `("file", path, text)`: the skeleton;
 * `("bind", host_path, path)`: a host file or folder shown read-only at `path`;

@@ -17,6 +17,10 @@ list (LCB does the same). The value is written to the result channel (file descr
 tagged JSON form that keeps Python's equality: lists as lists, tuples as {"t": [...]}, dicts as
 {"d": [[key, value], ...]}, other objects as {"o": type name}; bool, int, float, str and None as themselves.
 The grader compares it with `==` against the expected output parsed by `json.loads`, as LCB does.
+
+The solution shares this process and can write to the result channel itself, so the grader trusts nothing
+there beyond a returned value: it checks the test data before any run (an "input_error" reply here only ends
+the run), and a reply it cannot read is a failed verdict.
 """
 
 import json

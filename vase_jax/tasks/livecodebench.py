@@ -27,10 +27,13 @@ Grading follows LiveCodeBench's `testing_util`: for stdin problems the whole std
 equal as `decimal.Decimal` numbers element by element (LCB uses exact Decimal equality, no tolerance). For
 functional problems the arguments are the input's lines parsed as JSON, `Solution().fn_name(*args)` is called
 (a tuple result counts as a list) and must `==` the expected output parsed as JSON. Each test is one program
-run in `vase_jax.sandbox` (see `lcb_harness.py`); tests run in parallel, one per CPU core, in order, and no new
-test starts once one has failed. Two deliberate differences from LCB, which runs all tests in one process in
-the grader: each test is a fresh process (real stdin/stdout, a real `__main__`, so `if __name__ ==
-"__main__":` always runs), and a functional result that is not a plain value (a custom object) never equals.
+run in `vase_jax.sandbox` (see `lcb_harness.py`), which sees the test's input on stdin and no other test data;
+tests run in parallel, one per CPU core, in order, and no new test starts once one has failed. Nothing a
+program prints, returns or exits with makes `grade` raise: it is a failed verdict whose reason quotes at most a
+short, sanitized excerpt of the program's output. Two deliberate differences from LCB, which runs all tests
+in one process in the grader: each test is a fresh process (real stdin/stdout, a real `__main__`, so `if
+__name__ == "__main__":` always runs), and a functional result that is not a plain value (a custom object)
+never equals.
 """
 
 from __future__ import annotations
