@@ -52,8 +52,8 @@ def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False) -> li
     """Copy instructions reachable from any while-loop body whose dims (a tuple of ints) pass `shape_filter`.
     Loops under a `prefill` named scope (its scan over layers) run once per call and are not counted.
 
-    With `follow_branches=False`, computations reached only through a `conditional` (the eviction branch, which runs
-    once every `buffer` steps) are not counted as per-step work.
+    With `follow_branches=False`, computations reached only through a `conditional`, or through the eviction's loop
+    over layers (named scope `eviction`, which runs once every `buffer` steps), are not counted as per-step work.
     """
     return _per_step(hlo, _COPY, shape_filter, follow_branches)
 
@@ -79,17 +79,36 @@ def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool
     comps = computations(hlo)
     bodies = {m for lines in comps.values() for line in lines if "/prefill/" not in line  # runs once per call
               for m in re.findall(r"body=%?([\w.\-]+)", line)}
-    if not follow_branches:  # loops inside a conditional's branches (the eviction's loop over layers) run per event
+    if not follow_branches:  # what runs per eviction event, not per step: conditionals' branches and the eviction
         branches = {n.strip().lstrip("%") for lines in comps.values() for line in lines
                     for group in _BRANCHES.findall(line) for n in group.split(",")}
         branches |= {m for lines in comps.values() for line in lines if " conditional(" in line
                      for m in re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)}
-        bodies -= _reachable(comps, branches)
+        evictions = {m for lines in comps.values() for line in lines if "/eviction/" in line and " while(" in line
+                     for m in re.findall(r"body=%?([\w.\-]+)", line)}  # `framework.evict`'s loop over layers
+        bodies -= _reachable(comps, branches | evictions)
     seen = _reachable(comps, bodies, follow_branches)
+    if not follow_branches:
+        seen -= _reachable(comps, evictions)
     found = []
     for name in seen:
         for line in comps[name]:
             m = pattern.search(line)
             if m and shape_filter(tuple(int(d) for d in m.group(2).split(",") if d)):
                 found.append(f"{name}: {line.strip()[:160]}")
+    return found
+
+
+# ---- lowered (StableHLO) programs ---------------------------------------------------------------------------------
+def stablehlo_weight_slices(text: str, weight_types: set[str]) -> list[str]:
+    """Lines of a lowered (StableHLO) module that slice or dynamic-slice an operand of a weight's type
+    (`weight_types`, e.g. "tensor<512x320xbf16>"), anywhere in the module."""
+    found = []
+    for line in text.splitlines():
+        if "stablehlo.slice " not in line and "stablehlo.dynamic_slice " not in line:
+            continue
+        signature = line.rsplit(" : ", 1)[-1]
+        first = re.search(r"tensor<[^>]*>", signature)
+        if first and first.group(0) in weight_types:
+            found.append(line.strip()[:200])
     return found

@@ -156,6 +156,7 @@ def test_accumulator_summary_from_known_values():
     assert row["pearson"]["b2g4_hqq"] == pytest.approx(1.0) and row["mean_mse"]["b2g4_rtn"] == pytest.approx(4.0)
 
 
+@pytest.mark.slow
 def test_analyze_random_model_smoke_run(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("analyze_script", ROOT / "scripts" / "analyze.py")
     script = importlib.util.module_from_spec(spec)

@@ -22,6 +22,7 @@ from vase_jax import batching
 from vase_jax.eviction import framework
 from vase_jax.generate import _generate
 from vase_jax.random_model import HEAD_SCALE, TINY, random_model
+from vase_jax.target import Target
 
 N, B = 64, 16
 LENGTHS = (20, 37, 50, 9, 61, 33, 44, 12, 58, 27)  # mixed prompt lengths (one bucket: 64)
@@ -31,7 +32,7 @@ MAX_NEW = 130
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(TINY, head_scale=HEAD_SCALE)
+    return random_model(TINY, head_scale=HEAD_SCALE, vocab_size=4096)  # the prompts' ids are below 500
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,7 @@ def requests(samples, caps=CAPS):
                                                                                         strict=True))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["vase_attnv", "full"])
 def test_tokens_identical_static_and_continuous_any_batch_size(model, samples, method):
     ev = vj.EvictionConfig(method, budget=N, buffer=B, value_slots=16)
@@ -92,6 +94,7 @@ def test_tokens_identical_static_and_continuous_any_batch_size(model, samples, m
         assert 0 < stats.utilization <= 1
 
 
+@pytest.mark.slow
 def test_each_row_evicts_on_its_own_reference_schedule(model, samples):
     """generate with mixed prompt lengths: every row's eviction count and final length follow the reference
     trigger for that sequence alone, and the batch's events are at least B steps apart."""
@@ -131,6 +134,7 @@ def test_trigger_phase_wait_puts_rows_on_the_ticks():
     assert framework.phase_wait(37, 5, vj.EvictionConfig("full")) == 0
 
 
+@pytest.mark.slow
 def test_no_recompiles_across_runs_and_buckets(model, samples):
     ev = vj.EvictionConfig("vase_dkv", budget=N, buffer=B)
     cfg = vj.GenerateConfig(max_new_tokens=40, temperature=0.7, eos_token_ids=())
@@ -157,12 +161,12 @@ def test_bad_input_raises_before_compiling(model, samples):
         batching.run(model, reqs, rows=2, config=cfg, queue=0)
     assert batching.compile_counts() == before
     ids = np.ones((3, 4), np.int32)
-    before = _generate._cache_size()
+    before = _generate.traces
     for caps, what in [(np.array([5, 0, 5]), "caps"), (np.array([5, 5]), "shape"), (np.array([5, 5, 30]), "caps"),
                        (np.array([[5, 5, 5]]), "shape")]:
         with pytest.raises(ValueError, match=what):
             vj.generate(model, ids, ids, key=jax.random.key(0), config=cfg, max_new_tokens=caps)
-    assert _generate._cache_size() == before
+    assert _generate.traces == before
 
 
 @pytest.mark.parametrize("method", ["full", "vase_attnv"])
@@ -173,12 +177,13 @@ def test_engine_rounds_copy_no_cache(model, method):
     cfg = vj.GenerateConfig(max_new_tokens=MAX_NEW, eos_token_ids=())
     capacity = framework.capacity_for(ev, 64, MAX_NEW)
     graphdef, params = nnx.split(model)
-    e = batching._init_state(model.cfg, model.dtype, 4, 4, cfg, ev, capacity)
+    target = Target.make("cpu")
+    e = batching._init_state(model.cfg, model.dtype, 4, 4, cfg, ev, capacity, target)
     ids = jnp.ones((4, 64), jnp.int32)
     keys = jax.vmap(jax.random.key)(jnp.arange(4))
     staged = batching._stage(graphdef, params, ids, ids, keys, jnp.zeros(4, jnp.int32), jnp.full(4, 10, jnp.int32),
-                             jnp.arange(4, dtype=jnp.int32), jnp.int32(4), cfg, ev, 64)
-    hlo = batching._engine.lower(graphdef, params, e, staged, jnp.bool_(True), jnp.int32(5), cfg,
-                                 ev).compile().as_text()
+                             jnp.arange(4, dtype=jnp.int32), jnp.int32(4), cfg, ev, 64, target)
+    hlo = batching._engine.lower(graphdef, params, e, staged, jnp.bool_(True), jnp.int32(5), cfg, ev,
+                                 target).compile().as_text()
     copies = per_step_copies(hlo, lambda dims: capacity in dims, follow_branches=True)
     assert copies == [], "\n".join(copies)

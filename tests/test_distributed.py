@@ -88,6 +88,7 @@ def single(work):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, devices", [("data=4,model=2", 4),  # heads over the devices of each process
                                            ("data=1,model=2", 1)])  # heads over the two processes
 def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, devices):
@@ -99,6 +100,7 @@ def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, dev
     assert _results(out) == _results(single)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_resume_after_a_kill(work, single):
     total = len(PROBLEMS) * SAMPLES * 2
     out = work["root"] / "two"
@@ -140,6 +142,7 @@ def test_bad_mesh_or_process_flags_one_line_error(work, extra, message, capsys):
     assert not (work["root"] / "bad").exists()  # nothing written, nothing loaded
 
 
+@pytest.mark.slow
 def test_mesh_not_dividing_heads_or_rows(work):
     for extra, message in [(["--mesh", "data=2,model=4"], "model=4 does not divide kv_heads=2"),
                            (["--mesh", "data=8,model=1", "--batch-size", "4"],

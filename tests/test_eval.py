@@ -90,6 +90,7 @@ def full_run(work):
 
 
 # ---- end to end --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_end_to_end_records_summary_and_plots(work, full_run):
     from vase_jax.tasks import extract_answer, grade, load_problems
 
@@ -141,6 +142,7 @@ def test_end_to_end_records_summary_and_plots(work, full_run):
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted_run(work, full_run):
     """SIGKILL once the first batch is on disk, cut the last line in half, rerun: same records and summary."""
     ref_out, _ = full_run
@@ -180,6 +182,7 @@ def test_kill_and_resume_matches_uninterrupted_run(work, full_run):
     assert _result_numbers(got) == _result_numbers(want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler, batch_size", [("static", "2"), ("continuous", "3")])
 def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, scheduler, batch_size):
     """The reference run is continuous on 2 rows (problems mixed); the static scheduler (a problem's samples per
@@ -198,6 +201,7 @@ def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, s
     assert json.loads((out / "config.json").read_text())["scheduler"] == scheduler
 
 
+@pytest.mark.slow
 def test_random_model_smoke_run(work, full_run):
     """The README's offline smoke run (--random-model tiny: a random model built in memory) works. Same shapes
     and caps as the runs above (so no new compile), packaged data replaced by the 3 short problems."""
@@ -261,6 +265,7 @@ def test_bad_input_one_line_error(case, bad_files, capsys):
     assert not (bad_files / "out" / "config.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["unknown task", "no weights", "malformed line"])
 def test_bad_input_subprocess(case, bad_files, work):
     args, expected = BAD_CASES[case]

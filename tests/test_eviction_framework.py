@@ -79,6 +79,7 @@ def drive(model, ids, mask, ev, max_new, key):
     return np.stack([np.asarray(x) for x in tokens], 1), events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", EVICTING)
 def test_framework_invariants(peaked, tokenizer, method):
     ev = vj.EvictionConfig(method, budget=N, buffer=B, value_slots=16)
@@ -131,6 +132,7 @@ def test_framework_invariants(peaked, tokenizer, method):
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, : first + 1], tokens[:, : first + 1])
 
 
+@pytest.mark.slow
 def test_sinks_kept_forever_over_many_evictions(peaked, tokenizer):
     ev = vj.EvictionConfig("vase_attnv", budget=N, buffer=B, value_slots=16)
     batch = vj.encode_prompts(tokenizer, ["Say something long."])
@@ -145,6 +147,7 @@ def test_sinks_kept_forever_over_many_evictions(peaked, tokenizer):
                 assert {0, 1, 2, 3} <= set(pos[r, h].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, temperature", [("snapkv", 0.0), ("vase_attnv", 0.8), ("vase_dkv", 0.8),
                                                  ("h2o", 0.8), ("keydiff", 0.0)])
 def test_budget_above_total_length_equals_full(peaked, prompt_batch, method, temperature):
@@ -157,6 +160,7 @@ def test_budget_above_total_length_equals_full(peaked, prompt_batch, method, tem
     np.testing.assert_array_equal(np.asarray(evicting.tokens), np.asarray(full.tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["snapkv", "vase_attnv", "curdkv"])
 def test_padding_and_batch_invariance(peaked, tokenizer, method):
     """One prompt: alone, padded to a larger bucket, and as one row of a batch of equal-length prompts."""
@@ -177,6 +181,7 @@ def test_padding_and_batch_invariance(peaked, tokenizer, method):
     np.testing.assert_array_equal(np.asarray(together.tokens)[1], np.asarray(alone.tokens)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["vase_attnv", "vase_dkv", "snapkv", "curdkv"])
 def test_kept_sets_reproducible_and_key_dependent(peaked, tokenizer, method):
     ev = vj.EvictionConfig(method, budget=N, buffer=B, value_slots=16)
@@ -197,6 +202,7 @@ def test_kept_sets_reproducible_and_key_dependent(peaked, tokenizer, method):
     assert same == (not METHODS[method].stochastic)
 
 
+@pytest.mark.slow
 def test_long_generation_static_memory_and_finite(peaked, tokenizer):
     ev = vj.EvictionConfig("vase_attnv", budget=256, buffer=32)
     batch = vj.encode_prompts(tokenizer, ["Write a very long story.", "Write a poem."])
@@ -216,6 +222,7 @@ def test_long_generation_static_memory_and_finite(peaked, tokenizer):
     assert sizes[0] == sizes[1]
 
 
+@pytest.mark.slow
 def test_long_prompt_is_kept_until_the_first_eviction(peaked, tokenizer):
     """A prompt longer than the budget: the first eviction runs over more than N candidates (as the reference)."""
     ev = vj.EvictionConfig("snapkv", budget=32, buffer=16)

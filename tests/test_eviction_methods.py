@@ -240,6 +240,7 @@ def random_numbers(method, cfg, x, key):
 
 
 # ---- tests -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("method", EVICTING)
 def test_method_invariants_and_numpy_reference(method, inputs):
     cfg = make_config(method)

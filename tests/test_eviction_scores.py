@@ -190,6 +190,7 @@ def test_rkv_closed_form_equals_full_matrix():
             np.testing.assert_allclose(got[r, hh, p:], np_redundancy_full(keys[r, hh, p:]), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [1, 2])
 def test_rkv_official_matches_numpy_port(group):
     """Importance (GQA max, last alpha queries, max-pool 7) and retain-last redundancy vs the official."""

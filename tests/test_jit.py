@@ -1,12 +1,17 @@
-"""`vase_jax.jit`: compiled programs hold memory mappings, and `backend_jit` releases them before the limit."""
+"""`vase_jax.jit`: compiled programs hold memory mappings; the library warns near the limit, the guard releases them."""
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from vase_jax import jit
+from vase_jax.target import CPU_COMPILER_OPTIONS, Target
+
+pytestmark = pytest.mark.skipif(jit.mapping_count() is None, reason="no /proc/self/maps: not Linux")
 
 
 def _many_kernels(x):
@@ -16,9 +21,15 @@ def _many_kernels(x):
     return x
 
 
-@pytest.mark.skipif(jit.mapping_count() is None, reason="no /proc/self/maps: not Linux")
+@pytest.mark.slow
 def test_compiled_programs_hold_mappings_until_released():
-    f = jax.jit(_many_kernels)
+    traces = []
+
+    def counted(x):
+        traces.append(1)
+        return _many_kernels(x)
+
+    f = jax.jit(counted)
     x = jnp.arange(64.0).reshape(8, 8)
     f(x).block_until_ready()  # runtime warm: what follows counts the program only
     jax.clear_caches()
@@ -27,28 +38,66 @@ def test_compiled_programs_hold_mappings_until_released():
     compiled = jit.mapping_count()
     assert compiled >= before + 3, (before, compiled)  # code, read-only data and data of at least one kernel
     assert jit.release_programs_near_mapping_limit(share=1.0) is False  # far below the limit: nothing cleared
-    assert f._cache_size() == 1
+    f(x).block_until_ready()
+    assert len(traces) == 2  # still cached
     with pytest.warns(RuntimeWarning, match="max_map_count"):
         assert jit.release_programs_near_mapping_limit(share=0.0) is True
-    assert f._cache_size() == 0
     assert jit.mapping_count() < compiled  # the program's mappings are gone with it
+    f(x).block_until_ready()
+    assert len(traces) == 3  # cleared: traced and compiled again
 
 
-@pytest.mark.skipif(jit.mapping_count() is None, reason="no /proc/self/maps: not Linux")
-def test_backend_jit_clears_caches_past_the_share_and_keeps_counting_compiles(monkeypatch):
-    f = jit.backend_jit(_many_kernels)
-    x = jnp.ones((4, 8))
-    f(x)
-    assert f._cache_size() == 1
+def test_target_jit_warns_once_near_the_limit_and_never_clears(monkeypatch):
+    f = jit.target_jit(lambda x, target: _many_kernels(x), static_argnums=(1,), target_argnum=1)
+    cpu = Target.make("cpu")
     monkeypatch.setattr(jit, "MAPPING_SHARE", 0.0)  # every compile is now past the share
-    with pytest.warns(RuntimeWarning, match="compiled-program caches are cleared"):
-        f(jnp.ones((4, 16)))  # a new shape: compiles, then clears every cache
-    assert f._cache_size() == 2  # compiles so far, not the programs held now
-    with pytest.warns(RuntimeWarning):
-        f(jnp.ones((4, 16)))  # compiled again after the clear: counted, cleared again
-    assert f._cache_size() == 3
-    monkeypatch.setattr(jit, "MAPPING_SHARE", 0.5)
-    f(jnp.ones((4, 16)))  # cleared after the last call: compiles, and now stays cached
-    f(jnp.ones((4, 16)))
-    assert f._cache_size() == 4
-    assert jit.mapping_limit() is None or jit.mapping_limit() > 0
+    monkeypatch.setattr(jit, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="release_programs_near_mapping_limit"):
+        f(jnp.ones((4, 8)), cpu)
+    assert f.traces == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second compile is silent
+        f(jnp.ones((4, 16)), cpu)
+        f(jnp.ones((4, 8)), cpu)  # the first program is still cached: the library cleared nothing
+    assert f.traces == 2
+
+
+def test_target_jit_compiles_with_the_target_options_and_counts_traces():
+    f = jit.target_jit(lambda x, target: x * 2, static_argnums=(1,), target_argnum=1)
+    for _ in range(3):
+        f(jnp.ones(3), Target.make("cpu"))
+    f(jnp.ones(3), Target.make("cpu", "unroll"))  # another target: another program
+    assert f.traces == 2
+    assert Target.make("cpu").compiler_options() == CPU_COMPILER_OPTIONS
+    assert Target.make("cuda").compiler_options() is None and Target.make("cpu").compiler_options(sharded=True) is None
+
+
+@pytest.mark.slow
+def test_generate_is_loaded_from_the_persistent_compilation_cache():
+    """The suite runs with JAX's persistent cache on (`conftest`, `enable_compilation_cache`): after its in-memory
+    caches are cleared, `generate`'s program is loaded from the cache folder, not compiled again (no part of it,
+    Pallas kernels or callbacks, keeps it out of the cache)."""
+    import vase_jax as vj
+    from vase_jax.random_model import TINY, random_model
+
+    assert jax.config.jax_compilation_cache_dir
+    model = random_model(TINY, jnp.float32)
+    ids = jnp.ones((2, 7), jnp.int32)
+    config = vj.GenerateConfig(max_new_tokens=13)
+    eviction = vj.EvictionConfig("vase_attnv", budget=32, buffer=8)
+    events: list[str] = []
+
+    def listen(name, **_):
+        events.append(name)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        first = vj.generate(model, ids, ids, key=jax.random.key(0), config=config, eviction=eviction).tokens
+        jax.clear_caches()
+        events.clear()
+        again = vj.generate(model, ids, ids, key=jax.random.key(0), config=config, eviction=eviction).tokens
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    assert "/jax/compilation_cache/cache_hits" in events
+    assert (first == again).all()
+

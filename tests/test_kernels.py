@@ -215,6 +215,7 @@ class TestDecodeAttentionKernel:
             )
 
 
+@pytest.mark.slow
 class TestDecodeAttentionKernelInterpret(TestDecodeAttentionKernel):
     INTERPRET = True
 
@@ -358,6 +359,7 @@ class TestDecodeAttentionTPUKernel:
             decode_attention_tpu(q, k.astype(jnp.bfloat16), v, pos, n, interpret=self._interpret())
 
 
+@pytest.mark.slow
 class TestDecodeAttentionTPUKernelInterpret(TestDecodeAttentionTPUKernel):
     INTERPRET = True
 
@@ -372,6 +374,7 @@ _DECODE_IMPLS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(_DECODE_IMPLS))
 def test_decode_reads_a_cache_kept_as_bits(impl):
     run = _DECODE_IMPLS[impl]
@@ -441,6 +444,7 @@ class TestWindowScoresKernel:
             window_mass(rows, keys, valid, weights[:, :3], scale=1.0, interpret=self.INTERPRET)
 
 
+@pytest.mark.slow
 class TestWindowScoresKernelInterpret(TestWindowScoresKernel):
     INTERPRET = True
 
@@ -502,6 +506,7 @@ class TestWindowScoresTPUKernel:
             window_mass_tpu(rows, keys[:, :, :, :64], valid, weights, scale=1.0, interpret=self._interpret())
 
 
+@pytest.mark.slow
 class TestWindowScoresTPUKernelInterpret(TestWindowScoresTPUKernel):
     INTERPRET = True
 
@@ -509,6 +514,7 @@ class TestWindowScoresTPUKernelInterpret(TestWindowScoresTPUKernel):
 # ------------------------------------------------------------------------------------------------------------
 # window scores: reference vs NumPy
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 class TestWindowScoreReference:
     @pytest.mark.parametrize(
         "group,window,num_keys,dtype,smooth,temperature",
@@ -576,6 +582,7 @@ def test_auto_picks_the_kernel_of_the_lowering_platform(op):
 OTHER_FAMILY = {"gpu": "pallas_tpu", "tpu": "pallas_gpu"}.get(jax.default_backend())
 
 
+@pytest.mark.slow
 def test_explicit_impls_on_this_host():
     q, k, v, pos, n = _decode_inputs(16, 1, 2, 2, 128, 256, 200, "float32")
     ref = decode_attention_reference(q, k, v, pos, n)
@@ -587,6 +594,7 @@ def test_explicit_impls_on_this_host():
     assert dispatch.check_impl("pallas_tpu") == "pallas_tpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu"])
 def test_stacked_cache_layer(impl):
     if impl == OTHER_FAMILY:

@@ -30,6 +30,7 @@ def _generate(model, batch, method: str, impl: str, max_new_tokens: int):
     return vj.generate(model, batch.input_ids, batch.attention_mask, key=jax.random.key(0), config=cfg, eviction=ev)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,max_new_tokens", [("pallas", 32), ("pallas_tpu", 32)])
 @pytest.mark.parametrize("method", ["full", "vase_attnv"])
 def test_kernels_give_the_xla_greedy_tokens(peaked, prompt_batch, method, impl, max_new_tokens):

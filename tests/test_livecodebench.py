@@ -331,6 +331,7 @@ def test_stdin_programs(src, passed, reason):
     assert reason in v.reason
 
 
+@pytest.mark.slow
 def test_verdicts_on_a_release_problem_and_the_first_failing_test(release):
     stdin, fn = load_problems("livecodebench", data_path=release)
     assert lcb.grade(stdin, "Sure.\n" + GOOD_STDIN + "\nDone.", config=CFG).reason == "passed 3/3 tests"
@@ -381,6 +382,7 @@ def test_eval_resolves_livecodebench_inputs(release, tmp_path):
         ev.resolve(model="random:tiny", task="gsm8k", tests_dir=str(tests_dir))
 
 
+@pytest.mark.slow
 def test_eval_random_model_smoke_run(release, tmp_path, capsys):
     """scripts/eval.py end to end on a release file: the random model writes no code, so every sample fails
     with the reason recorded; the sandbox's isolation is printed once at the start."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,7 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES), ids=lambda g: GEOMETRY_IDS[g])
 @pytest.mark.parametrize("method", ["full", *sorted(METHODS)])
@@ -108,6 +110,46 @@ def test_auto_lowers_no_kernel_for_the_host():
     text = lower_generate(model, ids, mask, key=jax.random.key(0), config=vj.GenerateConfig(max_new_tokens=8),
                           eviction=eviction, platforms=("cpu",)).as_text()
     assert "custom_call @__gpu" not in text and "tpu_custom_call" not in text
+
+
+@functools.cache
+def _deep_model(dtype: str) -> vj.Qwen3:
+    """Three layers (so an unrolled program names layer_2), the Qwen3-8B attention geometry."""
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=32,
+                      num_kv_heads=8, head_dim=128)
+    return nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("method", ["full", "vase_dkv"])
+def test_each_platform_lowers_its_own_program(method):
+    """`lower_generate(platforms=(p,))` lowers the program that p runs, whatever the host (`vase_jax.target`): for
+    cuda and tpu a bf16 cache stored as bf16 and a lone row run alone, for cpu a cache stored as uint16 bits and
+    the lone row beside a copy; unrolled layers (each its own code: `layer_2` in the locations) on cuda only."""
+    model = _deep_model("bfloat16")
+    ids = jnp.ones((1, 20), jnp.int32)
+    eviction = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=256, buffer=64)
+    for platform in ("cuda", "tpu", "cpu"):
+        with lowering_target(platform):
+            lowered = lower_generate(model, ids, ids, key=jax.random.key(0), eviction=eviction,
+                                     config=vj.GenerateConfig(max_new_tokens=64), platforms=(platform,))
+        text = lowered.as_text(debug_info=True)
+        main = next(line for line in text.splitlines() if "func.func public @main" in line)
+        ids_type = re.search(r'tensor<(\d+)x\d+xi32> loc\("input_ids"\)', main).group(1)
+        cpu = platform == "cpu"
+        assert ("xui16>" in text) == cpu, f"{platform}: cache storage"  # uint16 bits only on CPU
+        assert ("layer_2/" in text) == (platform == "cuda"), f"{platform}: layer loop"
+        assert ids_type == ("2" if cpu else "1"), f"{platform}: a lone row runs {'beside a copy' if cpu else 'alone'}"
+
+
+def test_lowering_takes_one_known_platform():
+    model = _deep_model("bfloat16")
+    ids = jnp.ones((2, 8), jnp.int32)
+    for platforms in (("cuda", "tpu"), ("metal",)):
+        with pytest.raises(ValueError, match="one platform"):
+            lower_generate(model, ids, ids, key=jax.random.key(0), platforms=platforms)
+    with pytest.raises(ValueError, match="disagrees"):
+        lower_generate(model, ids, ids, key=jax.random.key(0), config=vj.GenerateConfig(platform="tpu"),
+                       platforms=("cuda",))
 
 
 def test_small_model_is_abstract():

@@ -13,6 +13,7 @@ import torch
 
 import vase_jax as vj
 from vase_jax.generate import decode_step, prefill
+from vase_jax.target import LAYER_LOOPS, Target
 
 
 def hf_logits(hf, ids, mask):
@@ -21,6 +22,7 @@ def hf_logits(hf, ids, mask):
                   attention_mask=torch.tensor(np.asarray(mask))).logits.float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_untied", "tiny_tied"])
 def test_logits_match_hf_float32(request, fixture, prompt_batch):
     folder, hf = request.getfixturevalue(fixture)
@@ -35,6 +37,7 @@ def test_logits_match_hf_float32(request, fixture, prompt_batch):
     assert np.abs(ref[real]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_prefill_plus_decode_equals_full_forward(tiny_tied, prompt_batch):
     folder, _ = tiny_tied
     model = vj.Qwen3.from_pretrained(str(folder), dtype=jnp.float32)
@@ -46,11 +49,11 @@ def test_prefill_plus_decode_equals_full_forward(tiny_tied, prompt_batch):
 
     logits, cache0 = prefill(model, ids, mask, ids.shape[1] + 8, 0)
     np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] - 1], atol=1e-4, rtol=0)
-    step = jax.jit(decode_step, static_argnums=(3,))
-    for layers in (None, model.layer_weights("switch"), model.layer_weights("unroll")):  # every layer loop
+    step = jax.jit(decode_step, static_argnums=(3, 4))
+    for loop in LAYER_LOOPS:
         cache = cache0
         for i in range(extra.shape[1]):
-            logits, cache = step(model, cache, extra[:, i], "xla", layers)
+            logits, cache = step(model, cache, extra[:, i], "xla", Target.make("cpu", loop))
             np.testing.assert_allclose(np.asarray(logits), full[:, ids.shape[1] + i], atol=1e-4, rtol=0)
         # each row holds its real tokens only (the prompt's padding is not stored)
         np.testing.assert_array_equal(np.asarray(cache.length), np.asarray(mask).sum(1) + extra.shape[1])
@@ -63,6 +66,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
+@pytest.mark.slow
 def test_bf16_kl_against_hf(tmp_path, prompt_batch):
     """bf16 next-token distributions: KL(HF_bf16 || ours_bf16), mean over real positions.
 

@@ -75,11 +75,11 @@ def test_bad_option_values_raise_before_compiling(kwargs, name):
     ev = EvictionConfig(budget=64, buffer=16, **kwargs)
     with pytest.raises(ValueError, match=re.escape(name)):
         ev.validate()
-    before = _generate._cache_size()
+    before = _generate.traces
     with pytest.raises(ValueError, match=re.escape(name)):
         vj.generate(random_model(TINY), np.ones((1, 3), np.int32), np.ones((1, 3), np.int32), key=jax.random.key(0),
                     eviction=ev, config=vj.GenerateConfig(max_new_tokens=4))
-    assert _generate._cache_size() == before
+    assert _generate.traces == before
 
 
 def test_register_rejects_bad_declarations():
@@ -165,6 +165,7 @@ def rkv_inputs(keys, queries, pos, buffer):
         buffer_pos=jnp.asarray(pos[:, :, -buffer:]))
 
 
+@pytest.mark.slow
 def test_rkv_official_keeps_the_authors_sets():
     """Kept sets equal R-KV's own algorithm run on the cache "valid candidates + the alpha newest keys" (with
     B == alpha that is the whole cache; with B > alpha the older B - alpha buffer keys are not candidates here,
@@ -279,6 +280,7 @@ def np_accumulated_attention(cache, layer):
     return mass
 
 
+@pytest.mark.slow
 def test_h2o_state_is_the_accumulated_attention(peaked, prompt_batch):
     """Padded prompts of three lengths (GQA group 2), prefill plus 20 decode steps, no eviction yet."""
     ev = EvictionConfig("h2o", budget=256, buffer=16)
@@ -298,6 +300,7 @@ def test_h2o_state_is_the_accumulated_attention(peaked, prompt_batch):
         np.testing.assert_allclose(got.sum(axis=(1, 2)), real_queries * peaked.cfg.num_heads, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["h2o", "keydiff"])
 def test_first_eviction_keeps_the_numpy_selection(peaked, tokenizer, method):
     """The kept set of every (layer, row, kv head) at the first eviction equals top-K of the NumPy score computed
@@ -353,6 +356,7 @@ def _decode_step_hlo(model, ev: EvictionConfig) -> str:
     return _strip_metadata(step.lower(model, cache, jnp.zeros((2,), jnp.int32)).compile().as_text())
 
 
+@pytest.mark.slow
 def test_state_costs_nothing_for_stateless_policies():
     """A policy's state declaration is the only thing that changes the decode step: snapkv's compiled step equals
     that of a stateless copy of it, while a stateful copy adds the weights' computation. (The compiled program of

@@ -23,6 +23,7 @@ def _check_kept(out, kept):
         assert all(len(set(pos[r, h])) == kept for r in range(pos.shape[0]) for h in range(pos.shape[1]))
 
 
+@pytest.mark.slow
 def test_register_your_own_policy_examples(tiny_untied, prompt_batch):
     text = README.read_text()
     section = text[text.index("### Register your own policy"):text.index("## Evaluation")]

@@ -321,6 +321,7 @@ def _missing(needs: tuple[str, ...], cfg: SandboxConfig) -> str | None:
     return f"this machine has no {', '.join(lacking)} (the sandbox's warning says so)" if lacking else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_program_is_contained(name, cfg, uids, tmp_path, monkeypatch, world):
     monkeypatch.setenv("VASE_TEST_SECRET", "s3cr3t-value")

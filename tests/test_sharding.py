@@ -17,8 +17,9 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from vase_jax import aot
 from vase_jax.cache import init_cache
-from vase_jax.config import PARAM_AXES
+from vase_jax.config import PARAM_AXES, param_kind, param_shapes
 from vase_jax.eviction.registry import SlotState
 from vase_jax.random_model import TINY
 from vase_jax.sharding import (
@@ -78,13 +79,15 @@ def test_parse_mesh():
 def test_rules_table():
     assert RULES == {"batch": "data", "q_heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
     specs = param_specs(TINY)
-    assert set(specs) == set(PARAM_AXES)
+    assert set(specs) == set(param_shapes(TINY))  # every parameter, each layer's own
+    assert {param_kind(p) for p in specs} == set(PARAM_AXES)
     assert specs[("embedding",)] == P("model", None)
     assert specs[("lm_head",)] == P("model", None)  # [vocab, embed]
-    assert specs[("layers", "q_proj")] == P(None, "model", None, None)  # [layers, q_heads, head_dim, embed]
-    assert specs[("layers", "o_proj")] == P(None, None, "model", None)  # [layers, embed, q_heads, head_dim]
-    assert specs[("layers", "down_proj")] == P(None, None, "model")  # [layers, embed, mlp]
-    assert specs[("layers", "q_norm")] == P(None, None)
+    for i in range(TINY.num_layers):
+        assert specs[("layers", i, "q_proj")] == P("model", None, None)  # [q_heads, head_dim, embed]
+        assert specs[("layers", i, "o_proj")] == P(None, "model", None)  # [embed, q_heads, head_dim]
+        assert specs[("layers", i, "down_proj")] == P(None, "model")  # [embed, mlp]
+        assert specs[("layers", i, "q_norm")] == P(None)
 
 
 def test_check_mesh_errors():
@@ -123,6 +126,7 @@ def test_per_device_bytes():
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "vase_attnv", "vase_dkv"])
 def test_generate_on_meshes_matches_one_device(method):
     """Every mesh gives the tokens of one device. Greedy and sampled alternate over the meshes (and the
@@ -156,6 +160,7 @@ def test_generate_on_meshes_matches_one_device(method):
             assert row["evictions"] >= 3, row
 
 
+@pytest.mark.slow
 def test_mesh_hlo_keeps_eviction_local_and_bad_input():
     """Compiled on a (2, 4) mesh: no all-gather or all-to-all of slot-sized data in any loop (decode steps and the
     eviction branch); bad meshes fail with a clear error before compiling."""
@@ -204,10 +209,12 @@ def test_mesh_hlo_keeps_eviction_local_and_bad_input():
 
 
 # ---- loading straight into shards -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_from_pretrained_with_mesh_safetensors_and_orbax(tmp_path):
     """A sharded safetensors checkpoint (several files) and its orbax conversion, loaded with mesh=(2, 4): every
     parameter has its rule's sharding (each device holds only its shard), values equal the unsharded load's, and
-    the logits equal the unsharded model's."""
+    the logits equal the unsharded model's. A mesh from `jax.make_mesh` (Explicit axes) loads and generates as
+    `make_mesh`'s does."""
     from conftest import save_tiny_checkpoint
 
     _, hf = save_tiny_checkpoint(tmp_path / "one_file", seed=2, num_attention_heads=16, num_key_value_heads=8,
@@ -230,18 +237,29 @@ def test_from_pretrained_with_mesh_safetensors_and_orbax(tmp_path):
         for kind, path in (("safetensors", folder), ("orbax", {str(tmp_path / "orbax")!r})):
             model_ = vj.Qwen3.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
             flat = weights.flat_params(model_)
-            wrong = [".".join(p) for p, x in flat.items()
+            wrong = [".".join(map(str, p)) for p, x in flat.items()
                      if not x.sharding.is_equivalent_to(want[p], x.ndim)
                      or any(s.data.shape != want[p].shard_shape(x.shape) for s in x.addressable_shards)]
-            unequal = [".".join(p) for p, x in flat.items()
+            unequal = [".".join(map(str, p)) for p, x in flat.items()
                        if not np.array_equal(np.asarray(x), np.asarray(weights.flat_params(plain)[p]))]
             logits = np.asarray(jax.jit(lambda m, a, b: m(a, b))(model_, ids_, jnp.asarray(mask)))
             out[kind] = dict(wrong=wrong, unequal=unequal, n=len(flat), diff=float(np.abs(logits - ref).max()),
                              scale=float(np.abs(ref).max()))
+        # a mesh made the way JAX users make one (its axes are Explicit in current JAX) works as make_mesh's
+        explicit = jax.make_mesh((2, 4), ("data", "model"))
+        def tokens(m):
+            return np.asarray(vj.generate(m, ids, mask, key=jax.random.key(0), config=config(True),
+                                          eviction=eviction("vase_attnv")).tokens).tolist()
+        want_tokens = tokens(vj.Qwen3.from_pretrained(folder, dtype=jnp.float32, mesh=mesh))
+        out["explicit"] = dict(axis_types=[str(t) for t in explicit.axis_types],
+                               loaded=tokens(vj.Qwen3.from_pretrained(folder, dtype=jnp.float32, mesh=explicit))
+                               == want_tokens, sharded=tokens(shard_model(plain, explicit)) == want_tokens)
         print(json.dumps(out))
     """)
+    explicit = result.pop("explicit")
+    assert explicit["loaded"] and explicit["sharded"], explicit
     for kind, r in result.items():
-        assert r["n"] == 14 and r["wrong"] == [] and r["unequal"] == [], (kind, r)
+        assert r["n"] == 3 + 11 * 2 and r["wrong"] == [] and r["unequal"] == [], (kind, r)  # 2 layers of 11
         assert r["diff"] <= 1e-5 * max(1.0, r["scale"]), (kind, r)  # float32; only the summation order differs
 
 
@@ -252,6 +270,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_plan_script_counts_per_device_bytes():
     """Weights and cache per device, counted here by hand from the shapes; temporaries from the compiled program."""
     import math
@@ -259,15 +278,19 @@ def test_plan_script_counts_per_device_bytes():
     from vase_jax.bench import named_configs
     from vase_jax.config import param_shapes
 
-    proc = _plan("--model", "tiny", "--mesh", "data=2,model=2", "--batch", "4", "--budget", "48", "--buffer", "16",
+    proc = _plan("--model", "tiny", "--target", "cpu", "--mesh", "data=2,model=2", "--batch", "4", "--budget", "48",
+                 "--buffer", "16",
                  "--prompt", "40", "--max-new-tokens", "256", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     cfg = named_configs()["tiny"]
+    from vase_jax.config import param_kind
+
     model_sharded = {("embedding",), ("lm_head",)} | {("layers", n) for n in ("q_proj", "k_proj", "v_proj",
                                                                               "o_proj", "gate_proj", "up_proj",
                                                                               "down_proj")}
-    weights = sum(math.prod(s) * 2 // (2 if p in model_sharded else 1) for p, s in param_shapes(cfg).items())
+    weights = sum(math.prod(s) * 2 // (2 if param_kind(p) in model_sharded else 1)
+                  for p, s in param_shapes(cfg).items())
     cap, window = out["capacity"], 16  # bf16; the query ring of vase_attnv holds `buffer` queries
     per_row_head = cfg.num_layers * cap * (2 * cfg.head_dim * 2 + 4) + cfg.num_layers * cfg.group * window * \
         cfg.head_dim * 2  # k, v, pos, queries per (row, kv head)
@@ -281,6 +304,7 @@ def test_plan_script_counts_per_device_bytes():
     assert got["arguments"] >= got["weights"]
 
 
+@pytest.mark.slow
 def test_plan_script_bad_input():
     proc = _plan("--model", "qwen3-32b", "--mesh", "data=1,model=16", "--batch", "16")
     assert proc.returncode == 2 and "model=16 does not divide kv_heads=8" in proc.stderr, proc.stderr
@@ -288,8 +312,12 @@ def test_plan_script_bad_input():
     assert proc.returncode == 2 and "'pipe=2'" in proc.stderr, proc.stderr
     proc = _plan("--model", "qwen3-32b", "--mesh", "data=4", "--batch", "6", "--no-compile")
     assert proc.returncode == 2 and "data=4 does not divide the batch of 6" in proc.stderr, proc.stderr
+    if aot.missing("v5p"):  # a device target's figures need its compiler: a clear refusal without it
+        proc = _plan("--model", "tiny", "--target", "v5p", "--batch", "2")
+        assert proc.returncode == 2 and "libtpu" in proc.stderr and "--target cpu" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_lowers_for_cuda_and_tpu_under_a_mesh():
     """On a (2, 4) mesh the program still lowers for GPU and TPU: the Pallas kernels (decode attention, window
     score) as Triton / Mosaic calls inside manual (shard_map) regions."""
@@ -310,6 +338,7 @@ def test_lowers_for_cuda_and_tpu_under_a_mesh():
     assert result["tpu"] == dict(triton=False, mosaic=True, manual=True), result
 
 
+@pytest.mark.slow
 def test_pallas_kernels_per_device_match_one_device():
     """attention_impl="pallas" (the Triton kernels in interpret mode on CPU): decode attention and the window
     score run per device inside shard_map on a (2, 4) mesh and give the tokens of one device, with evictions."""

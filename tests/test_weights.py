@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import vase_jax as vj
+from vase_jax import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +71,7 @@ def test_folder_without_weights_or_config(tmp_path, tiny_untied):
         vj.Qwen3.from_pretrained(str(tmp_path / "nope"), dtype=jnp.float32)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_with_convert_script(tiny_tied, tmp_path):
     folder, _ = tiny_tied
     out = tmp_path / "orbax"
@@ -91,6 +93,32 @@ def test_orbax_round_trip_bf16(tiny_untied, tmp_path):
     restored = vj.Qwen3.from_pretrained(str(tmp_path / "o"), dtype=jnp.bfloat16)
     assert restored.embedding[...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(_logits(restored, IDS), _logits(model, IDS))
+
+
+def test_old_orbax_layout_is_refused_with_one_line(tiny_tied, tmp_path):
+    """A folder converted before the weights were held per layer (layer weights stacked `[layers, ...]`, layout
+    "stacked-layers-v2") is refused with one line that says what to do, before anything is restored."""
+    import orbax.checkpoint as ocp
+
+    from vase_jax.config import PARAM_AXES
+    from vase_jax.weights import ORBAX_MARKER
+
+    folder, _ = tiny_tied
+    model = vj.Qwen3.from_pretrained(str(folder), dtype=jnp.float32)
+    flat = weights.flat_params(model)
+    old = {"embedding": flat[("embedding",)], "norm": {"weight": flat[("norm", "weight")]},
+           "layers": {kind[1]: np.stack([flat[("layers", i, kind[1])] for i in range(model.cfg.num_layers)])
+                      for kind in PARAM_AXES if kind[0] == "layers"}}
+    out = tmp_path / "old"
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((out / "params").absolute(), old)
+    ckpt.wait_until_finished()
+    shutil.copy(folder / "config.json", out / "config.json")
+    (out / ORBAX_MARKER).write_text('{"layout": "stacked-layers-v2"}')
+    with pytest.raises(ValueError) as info:
+        vj.Qwen3.from_pretrained(str(out), dtype=jnp.float32)
+    message = str(info.value)
+    assert "\n" not in message and "stacked-layers-v2" in message and "scripts/convert.py" in message
 
 
 def test_tokenizer_from_model_folder_falls_back_to_packaged(tiny_untied):

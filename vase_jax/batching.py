@@ -46,15 +46,16 @@ from vase_jax.generate import (
     ended,
     ended_by_token,
     first_tokens,
+    generate_target,
     no_events,
     prefill,
     query_window,
-    resolve_layer_loop,
     split_keys,
 )
-from vase_jax.jit import backend_jit
+from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
+from vase_jax.target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,14 +136,14 @@ def validate_requests(requests: list[Request], rows: int, config: GenerateConfig
 
 
 # ---- device programs ---------------------------------------------------------------------------------------------
-@functools.partial(backend_jit, static_argnums=(0, 9, 10, 11))
+@functools.partial(target_jit, static_argnums=(0, 9, 10, 11, 12), target_argnum=12)
 def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count, config: GenerateConfig,
-           eviction: EvictionConfig, slots: int) -> Staged:
+           eviction: EvictionConfig, slots: int, target: Target) -> Staged:
     """Prefill `queue` left-padded prompts [queue, bucket] into a cache of `slots` slots, and sample token 0."""
     model = nnx.merge(graphdef, params)
     sample_key, _ = split_keys(keys, keys.shape[0])
     logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
-                            framework.slot_state(eviction))
+                            framework.slot_state(eviction), target=target)
     first = first_tokens(logits, sample_key, row_ids, config)
     return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
 
@@ -226,13 +227,12 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
     return e.replace(used=e.used + n)
 
 
-@functools.partial(backend_jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
+@functools.partial(target_jit, static_argnums=(0, 6, 7, 8), target_argnum=8, donate_argnums=(2,))
 def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
-            eviction: EvictionConfig, per_layer=None) -> EngineState:
+            eviction: EvictionConfig, target: Target) -> EngineState:
     """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
     is done, or a row is free with nothing staged while the host has `more` samples."""
     model = nnx.merge(graphdef, params)
-    layers = model.layer_weights(resolve_layer_loop(config.layer_loop), per_layer)
     e = e.replace(used=jnp.int32(0), out_count=jnp.int32(0))
     e = _admit(_collect(e, config), staged, phase, config, eviction)
 
@@ -242,20 +242,21 @@ def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, confi
 
     def round_step(e: EngineState) -> EngineState:
         running = e.sample >= 0
-        s = decode_loop(model, layers, e.loop, config, eviction, lambda s: ~jnp.any(s.done & running))
+        s = decode_loop(model, e.loop, config, eviction, lambda s: ~jnp.any(s.done & running), target)
         return _admit(_collect(e.replace(loop=s), config), staged, phase, config, eviction)
 
     return jax.lax.while_loop(going, round_step, e)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+@functools.partial(target_jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7), target_argnum=7)
 def _init_state(cfg, dtype, rows: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
-                capacity: int) -> EngineState:
-    """Every row free (done, inactive), the results buffer empty. One row runs beside an unused companion, as in
-    `generate` (a one-row matmul rounds differently)."""
-    sample = jnp.full((max(rows, 2),), FREE, jnp.int32).at[rows:].set(UNUSED)
-    rows = max(rows, 2)
-    cache = init_cache(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction))
+                capacity: int, target: Target) -> EngineState:
+    """Every row free (done, inactive), the results buffer empty. On CPU one row runs beside an unused companion,
+    as in `generate` (a one-row matmul rounds differently: `Target.pads_lone_rows`)."""
+    width = max(rows, 2) if target.pads_lone_rows else rows
+    sample = jnp.full((width,), FREE, jnp.int32).at[rows:].set(UNUSED)
+    rows = width
+    cache = init_cache(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction), target)
     keys = jnp.broadcast_to(jax.random.key(0), (rows,))
     zeros = jnp.zeros((rows,), jnp.int32)
     loop = LoopState(cache=cache.replace(active=jnp.zeros((rows,), bool)),
@@ -272,7 +273,7 @@ def _init_state(cfg, dtype, rows: int, queue: int, config: GenerateConfig, evict
 
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far by the engine: {"prefill": one per (bucket, settings), "decode", "init"}."""
-    return {"prefill": _stage._cache_size(), "decode": _engine._cache_size(), "init": _init_state._cache_size()}
+    return {"prefill": _stage.traces, "decode": _engine.traces, "init": _init_state.traces}
 
 
 # ---- the host loop -----------------------------------------------------------------------------------------------
@@ -303,22 +304,23 @@ def run(
     queue = max(rows, 2) if queue is None else queue
     if not isinstance(queue, int) or isinstance(queue, bool) or queue < 1:
         raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")
-    queue = max(queue, 2)  # a one-row prefill rounds differently (`generate` runs a lone row beside a copy)
+    target = generate_target(model, config)
+    if target.pads_lone_rows:
+        queue = max(queue, 2)  # a one-row prefill rounds differently on CPU (`generate` runs a lone row beside a copy)
     stats = stats if stats is not None else EngineStats()
     if not requests:
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
     capacity = framework.capacity_for(eviction, slots, config.max_new_tokens)
-    per_layer = model.per_layer_matrices(resolve_layer_loop(config.layer_loop))  # split once for every round
     graphdef, params = nnx.split(model)
-    e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity)
+    e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity, target)
     pending = collections.deque(enumerate(requests))
     phase = jnp.int32(len(requests[0].prompt))  # the batch's ticks fall where the first sample's trigger does
     staged_at: dict[int, float] = {}
     results: list[Result] = []
     while pending:
-        staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at)
-        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, per_layer)
+        staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at, target)
+        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, target)
         stats.segments += 1
         count, nums, finished, evictions, samples, tokens = jax.device_get(
             (e.out_count, e.out_num, e.out_finished, e.out_evictions, e.out_sample, e.out_tokens))
@@ -339,7 +341,7 @@ def run(
 
 
 def _stage_next(graphdef, params, pending: collections.deque, queue: int, config: GenerateConfig,
-                eviction: EvictionConfig, slots: int, staged_at: dict[int, float]) -> Staged:
+                eviction: EvictionConfig, slots: int, staged_at: dict[int, float], target: Target) -> Staged:
     """Take up to `queue` pending samples and prefill them as one batch (padded with copies of the first)."""
     batch = [pending.popleft() for _ in range(min(queue, len(pending)))]
     now = time.perf_counter()
@@ -357,4 +359,4 @@ def _stage_next(graphdef, params, pending: collections.deque, queue: int, config
     return _stage(graphdef, params, jnp.asarray(ids), jnp.asarray(mask), keys,
                   jnp.asarray([r.row_id for r in reqs], jnp.int32), jnp.asarray([r.max_new_tokens for r in reqs],
                                                                                   jnp.int32),
-                  jnp.asarray(index, jnp.int32), jnp.int32(len(batch)), config, eviction, slots)
+                  jnp.asarray(index, jnp.int32), jnp.int32(len(batch)), config, eviction, slots, target)

@@ -31,10 +31,11 @@ from vase_jax.cache import KVCache, init_cache, stored
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, decode_step, resolve_layer_loop
+from vase_jax.generate import GenerateConfig, decode_step
 from vase_jax.generate import prefill as generate_prefill
-from vase_jax.jit import backend_jit
+from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
+from vase_jax.target import Target
 
 # A model for smoke tests (seconds to compile and run): the tiny test shape with a 1024-token vocabulary.
 TINY = dataclasses.replace(random_model.TINY, vocab_size=1024)
@@ -131,9 +132,11 @@ def time_runs(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Stat:
 
 
 def decode_rate(total: Stat, prefill: Stat, tokens: int) -> Stat | None:
-    """tokens / (total - median prefill) per run; None when a run is not longer than the prefill (too short to
-    separate the decode steps from the noise)."""
-    decode = [t - prefill.median for t in total.runs]
+    """tokens / (total - fastest prefill) per run. Each run holds one prefill, never (but for noise) faster than
+    the fastest one timed alone, so a run's decode time is not underestimated by a slow prefill sample on a busy
+    machine (with the median, a noisy prefill once exceeded a short run's total). None when a run is still not
+    longer than the prefill (too short to separate the decode steps from the noise)."""
+    decode = [t - prefill.min for t in total.runs]
     return None if min(decode) <= 0 else Stat.of(tokens / d for d in decode)
 
 
@@ -231,23 +234,25 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@functools.partial(backend_jit, static_argnums=(0, 4, 5, 6, 7))
-def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int, attention_impl: str = "auto",
-            slot_state: tuple = ()):
+@functools.partial(target_jit, static_argnums=(0, 4, 5, 6, 7, 8), target_argnum=8)
+def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int, attention_impl: str,
+            slot_state: tuple, target: Target):
     """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots (with the
     policy's per-slot `slot_state`) and the first (greedy) token. Returns (first token [batch], cache)."""
     logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window,
-                                     attention_impl, slot_state)
+                                     attention_impl, slot_state, target=target)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 def filled_cache(
-    cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0, state: tuple = ()
+    cfg: Qwen3Config, batch: int, capacity: int, length: int, window: int, dtype, seed: int = 0, state: tuple = (),
+    target: Target | None = None,
 ) -> KVCache:
     """A cache of `capacity` slots; the first `length` hold random keys and values (positions 0..length-1);
-    `state`: the policy's per-slot state arrays (uniform random in [0, 1) on the first `length` slots)."""
+    `state`: the policy's per-slot state arrays (uniform random in [0, 1) on the first `length` slots); stored as
+    `target` stores a cache (`init_cache`)."""
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
-    empty = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, window, dtype, state))  # shapes and storage
+    empty = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, window, dtype, state, target))  # storage
     slot = jnp.arange(capacity, dtype=jnp.int32)
 
     def normals(key: jax.Array, like) -> jax.Array:
@@ -268,26 +273,24 @@ def filled_cache(
                for i, (name, x) in enumerate(empty.state.items())})
 
 
-@functools.partial(backend_jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
-def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str,
-                 layer_loop: str = "auto", per_layer=None):
-    """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction).
-    The cache is donated, so it is updated in place as in `generate`. Returns (cache, last token). `per_layer`:
-    the switched loop's weight buffers as `generate` passes them (`Qwen3.per_layer_matrices`); None: split here."""
+@functools.partial(target_jit, static_argnums=(0, 5, 6, 7), target_argnum=7, donate_argnums=(2,))
+def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str, target: Target):
+    """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction), with
+    `target`'s layer loop, as `generate` runs them. The cache is donated, so it is updated in place as in
+    `generate`. Returns (cache, last token)."""
     model = nnx.merge(graphdef, state)
     start = jnp.full_like(cache.row_pos, start)  # every row
     cache = cache.replace(length=start, seen=start, row_pos=start)
-    layers = model.layer_weights(resolve_layer_loop(layer_loop), per_layer)  # as generate runs them
 
     def body(_, carry):
         c, tok = carry
-        logits, c = decode_step(model, c, tok, attention_impl, layers)
+        logits, c = decode_step(model, c, tok, attention_impl, target)
         return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     return jax.lax.fori_loop(0, steps, body, (cache, token))
 
 
-@functools.partial(backend_jit, static_argnums=(1, 4), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(1, 4), donate_argnums=(0,))
 def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention_impl: str = "auto") -> KVCache:
     """One `framework.evict` event on a cache holding `budget + buffer` slots (the state at a trigger). The
     cache is donated and its length restored afterwards, so calls can repeat on the returned cache."""
@@ -300,7 +303,7 @@ def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention
 # ---- Hugging Face export -----------------------------------------------------------------------------------
 def hf_config(cfg: Qwen3Config):
     """The `transformers.Qwen3Config` of the same shape."""
-    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3Config as HFConfig  # noqa: PLC0415 (HF comparisons only: 1.7 s to import)
 
     return HFConfig(
         vocab_size=cfg.vocab_size,
@@ -322,8 +325,8 @@ def hf_config(cfg: Qwen3Config):
 
 def to_hf(model: Qwen3, torch_dtype=None):
     """A `transformers.Qwen3ForCausalLM` holding `model`'s weights (eval mode)."""
-    import torch
-    from transformers import Qwen3ForCausalLM
+    import torch  # noqa: PLC0415 (the `test` extra: the HF reference only)
+    from transformers import Qwen3ForCausalLM  # noqa: PLC0415
 
     torch_dtype = torch_dtype or torch.float32
     hf = Qwen3ForCausalLM(hf_config(model.cfg)).eval()

@@ -21,13 +21,14 @@ Decode writes are per-row scatters at slot `length[b]` (in place inside the loop
 an out-of-range slot and is dropped). The decode attention reads slots [0, max_b length[b]): a row's slots beyond
 its own length hold `pos = -1` and are masked.
 
-Storage: on CPU a 16-bit float cache (`k`, `v`, `queries`) is stored as its bits, uint16 (`bits=True`; `dtype`
-keeps the float dtype). XLA:CPU has no bfloat16 dynamic-update-slice: it converts the whole operand to float32
-and back around each write, so a bf16 decode step would rewrite every stacked cache array once per layer (in a
-microbenchmark of a [4, 4, 8, 2048, 128] stack: 62 ms per step of four one-token writes in bf16, 0.4 ms in
-uint16). Reads go through `layer_keys` / `layer_values` / `ordered_queries` (one layer, bitcast back), the decode
-kernels read the bits directly (`pallas_kernels.decode_attention.stored_as`), and `as_floats` gives the cache in
-its float dtype. Other backends store floats.
+Storage: the target (`vase_jax.target.Target.cache_storage`) decides. On CPU a 16-bit float cache (`k`, `v`,
+`queries`) is stored as its bits, uint16 (`dtype` keeps the float dtype). XLA:CPU has no bfloat16
+dynamic-update-slice: it converts the whole operand to float32 and back around each write, so a bf16 decode step
+would rewrite every stacked cache array once per layer (in a microbenchmark of a [4, 4, 8, 2048, 128] stack: 62 ms
+per step of four one-token writes in bf16, 0.4 ms in uint16). Reads go through `layer_keys` / `layer_values` /
+`ordered_queries` (one layer, bitcast back), the decode kernels read the bits directly
+(`pallas_kernels.decode_attention.stored_as`), and `as_floats` gives the cache in its float dtype. GPUs and TPUs
+store floats.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from vase_jax.config import Qwen3Config
+from vase_jax.target import Target
 
 # Logical axis names of every cache array (sharding maps names to mesh axes; `init_cache` reads sizes off them).
 CACHE_AXES = {
@@ -57,9 +60,9 @@ STATE_AXES = ("layers", "batch", "kv_heads", "slots")  # every per-slot state ar
 
 
 def as_bits(x: jax.Array) -> jax.Array:
-    """A 16-bit float array viewed as uint16; other dtypes unchanged. Gathering rows or slicing a read-only array
-    (the embedding table, stacked weights) through this view keeps XLA:CPU from converting all of a bf16 array to
-    float32 first (it has no bf16 gather or slice)."""
+    """A 16-bit float array viewed as uint16; other dtypes unchanged. Writing into or gathering from a bf16 array
+    through this view keeps XLA:CPU from converting all of it to float32 first (it has no bf16 dynamic-update-slice
+    or gather; `vase_jax.target`)."""
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 and _is_float(x) else x
 
 
@@ -70,11 +73,6 @@ def from_bits(bits: jax.Array, dtype) -> jax.Array:
 
 def _is_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def stores_bits(dtype) -> bool:
-    """The default storage of a cache of float `dtype` on this backend: bits (uint16) for 16-bit floats on CPU."""
-    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
 
 
 def stored(x: jax.Array, cache: KVCache) -> jax.Array:
@@ -103,6 +101,7 @@ class KVCache:
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
     dtype: Any = struct.field(pytree_node=False, default=None)  # float dtype of k, v, queries (None: k's dtype)
+    target: Target | None = struct.field(pytree_node=False, default=None)  # what it is stored for (`init_cache`)
 
     @property
     def capacity(self) -> int:
@@ -143,19 +142,17 @@ def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> di
 
 
 def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, state: tuple = (),
-               bits: bool | None = None) -> KVCache:
+               target: Target | None = None) -> KVCache:
     """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring; `state`: the
-    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]. `bits`: store the 16-bit
-    float `dtype` as uint16 bits (default `stores_bits(dtype)`: on CPU)."""
+    policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]. Keys, values and
+    queries are stored as `target.cache_storage(dtype)` says (None: as `dtype`)."""
     shapes = cache_shapes(cfg, batch, capacity, window)
-    bits = stores_bits(dtype) if bits is None else bits
-    if bits and jnp.dtype(dtype).itemsize != 2:
-        raise ValueError(f"init_cache: bits=True needs a 16-bit float dtype, got {jnp.dtype(dtype)}")
-    stored = jnp.uint16 if bits else dtype  # zero bits are +0.0
+    stored = jnp.dtype(dtype) if target is None else target.cache_storage(dtype)  # zero bits are +0.0
     return KVCache(
         state={spec.name: jnp.zeros(shapes["pos"], jnp.float32) for spec in state},
         state_specs=tuple(state),
         dtype=jnp.dtype(dtype),
+        target=target,
         k=jnp.zeros(shapes["k"], stored),
         v=jnp.zeros(shapes["v"], stored),
         pos=jnp.full(shapes["pos"], -1, jnp.int32),
@@ -191,6 +188,16 @@ def _unpad(x: jax.Array, pad: jax.Array, axis: int) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=axis)
 
 
+def _as_written(x: jax.Array, cache: KVCache) -> jax.Array:
+    """A block of keys or values as the cache stores it (`stored`), in row-major layout where the target pins the
+    cache's layout (`Target.pins_cache_layout`: XLA:TPU lays the projected prompt out with the head axis minor,
+    and would otherwise build the whole cache in that layout and copy it once to the decode loop's)."""
+    x = stored(x, cache)
+    if cache.target is not None and cache.target.pins_cache_layout:
+        x = with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+    return x
+
+
 def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array) -> KVCache:
     """Write one layer of a left-padded prompt into an empty cache (after `start_prompt`): row b's real tokens
     go to slots [0, P_b) (its padding is dropped), the queries of its newest `window` real tokens to the ring.
@@ -199,8 +206,8 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     """
     pad = _padding(token_mask)  # [batch]
     new = cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, stored(_unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, stored(_unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
+        k=jax.lax.dynamic_update_slice(cache.k, _as_written(_unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, _as_written(_unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
     )
     if cache.window:
         t = k.shape[2]
@@ -236,33 +243,40 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     """Write one token per active row of one layer at slot `length[b] - 1` (after `start_token`), in place.
 
     k, v: [batch, kv_heads, 1, head_dim]; q: [batch, kv_heads, group, 1, head_dim] (into the query ring, if any).
+    Each (row, kv head) is its own scatter index, so an update is one head_dim vector: XLA:TPU then keeps the
+    cache in its own layout (with [kv_heads, head_dim] updates it moved the kv-head axis minor and copied the
+    whole cache at every step to and from that layout).
     """
-    rows = jnp.arange(k.shape[0])
-    slot = _write_slots(cache)  # [batch]
+    b, h = k.shape[:2]
+    rows, heads = jnp.arange(b)[:, None], jnp.arange(h)[None, :]  # [batch, 1], [1, kv_heads]
+    slot = _write_slots(cache)[:, None]  # [batch, 1]
     new = cache.replace(
-        k=cache.k.at[layer, rows, :, slot].set(stored(k[:, :, 0], cache), mode="drop"),
-        v=cache.v.at[layer, rows, :, slot].set(stored(v[:, :, 0], cache), mode="drop"),
+        k=cache.k.at[layer, rows, heads, slot].set(stored(k[:, :, 0], cache), mode="drop"),
+        v=cache.v.at[layer, rows, heads, slot].set(stored(v[:, :, 0], cache), mode="drop"),
     )
     if cache.window:
         ring_slot = jnp.where(cache.active, (cache.row_pos - 1) % cache.window, cache.window)  # [batch]
-        new = new.replace(queries=cache.queries.at[layer, rows, :, :, ring_slot].set(
-            stored(q[:, :, :, 0], cache), mode="drop"))
+        groups = jnp.arange(q.shape[2])[None, None, :]
+        new = new.replace(queries=cache.queries.at[layer, rows[..., None], heads[..., None], groups,
+                                                   ring_slot[:, None, None]].set(stored(q[:, :, :, 0], cache),
+                                                                                 mode="drop"))
     return new
 
 
 def start_token(cache: KVCache) -> KVCache:
     """Before one token per active row is written: its position at slot `length[b]` in every layer (the same
     for all layers, so written once, before any layer reads `pos`), the query ring's validity and the counters.
-    Inactive rows (`active` False) are left as they are."""
+    Inactive rows (`active` False) are left as they are. One scatter index per (layer, row, kv head), as in
+    `write_token`."""
     l, b, h, _ = cache.pos.shape
-    rows = jnp.arange(b)
-    slot = jnp.where(cache.active, cache.length, cache.capacity)  # [batch]; out of range: dropped
-    new_pos = jnp.broadcast_to(cache.row_pos[:, None, None], (b, l, h)).astype(jnp.int32)  # [batch, layers, heads]
-    pos = cache.pos.at[:, rows, :, slot].set(new_pos, mode="drop")
+    layers, rows, heads = jnp.arange(l)[:, None, None], jnp.arange(b)[None, :, None], jnp.arange(h)[None, None, :]
+    slot = jnp.where(cache.active, cache.length, cache.capacity)[None, :, None]  # [1, batch, 1]; out of range: dropped
+    new_pos = jnp.broadcast_to(cache.row_pos[None, :, None], (l, b, h)).astype(jnp.int32)  # [layers, batch, heads]
+    pos = cache.pos.at[layers, rows, heads, slot].set(new_pos, mode="drop")
     query_valid = cache.query_valid
     if cache.window:
         ring_slot = jnp.where(cache.active, cache.row_pos % cache.window, cache.window)
-        query_valid = query_valid.at[rows, ring_slot].set(True, mode="drop")
+        query_valid = query_valid.at[jnp.arange(b), ring_slot].set(True, mode="drop")
     step = cache.active.astype(jnp.int32)
     return cache.replace(pos=pos, query_valid=query_valid, row_pos=cache.row_pos + step,
                          length=cache.length + step, seen=cache.seen + step)

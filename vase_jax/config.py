@@ -94,32 +94,49 @@ class Qwen3Config:
             return cls.from_hf_config(json.load(f))
 
 
-# Logical axis names of every parameter, by parameter path: sharding over a `("data", "model")` mesh is a table
-# from these names to mesh axes (DESIGN.md, "Scaling out"); `param_shapes` reads their sizes off a config.
+# Logical axis names of every kind of parameter (sharding over a `("data", "model")` mesh is a table from these
+# names to mesh axes: DESIGN.md, "Scaling out"). Decoder layers hold their weights per layer, as HF checkpoints
+# do: the kind ("layers", name) is one array per layer, at path ("layers", i, name) for i < num_layers
+# (`param_axes` lists every path).
 PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     # Matrices are [out, in], the layout of HF checkpoints: XLA:CPU runs bf16 matmuls against a weight whose
     # contracted axis is the last 1.3-2x faster than against [in, out] (docs/BENCHMARKS.md, bf16).
     ("embedding",): ("vocab", "embed"),
     ("lm_head",): ("vocab", "embed"),
     ("norm", "weight"): ("embed",),
-    ("layers", "input_norm"): ("layers", "embed"),
-    ("layers", "q_proj"): ("layers", "q_heads", "head_dim", "embed"),
-    ("layers", "k_proj"): ("layers", "kv_heads", "head_dim", "embed"),
-    ("layers", "v_proj"): ("layers", "kv_heads", "head_dim", "embed"),
-    ("layers", "o_proj"): ("layers", "embed", "q_heads", "head_dim"),
-    ("layers", "q_norm"): ("layers", "head_dim"),
-    ("layers", "k_norm"): ("layers", "head_dim"),
-    ("layers", "post_attn_norm"): ("layers", "embed"),
-    ("layers", "gate_proj"): ("layers", "mlp", "embed"),
-    ("layers", "up_proj"): ("layers", "mlp", "embed"),
-    ("layers", "down_proj"): ("layers", "embed", "mlp"),
+    ("layers", "input_norm"): ("embed",),
+    ("layers", "q_proj"): ("q_heads", "head_dim", "embed"),
+    ("layers", "k_proj"): ("kv_heads", "head_dim", "embed"),
+    ("layers", "v_proj"): ("kv_heads", "head_dim", "embed"),
+    ("layers", "o_proj"): ("embed", "q_heads", "head_dim"),
+    ("layers", "q_norm"): ("head_dim",),
+    ("layers", "k_norm"): ("head_dim",),
+    ("layers", "post_attn_norm"): ("embed",),
+    ("layers", "gate_proj"): ("mlp", "embed"),
+    ("layers", "up_proj"): ("mlp", "embed"),
+    ("layers", "down_proj"): ("embed", "mlp"),
 }
-LAYER_PARAMS = tuple(path[1] for path in PARAM_AXES if path[0] == "layers")
+LAYER_PARAMS = tuple(kind[1] for kind in PARAM_AXES if kind[0] == "layers")
 NORM_PARAMS = ("input_norm", "q_norm", "k_norm", "post_attn_norm")  # RMSNorm scales: initialized to 1
+MATRIX_PARAMS = tuple(name for name in LAYER_PARAMS if name not in NORM_PARAMS)  # the matmul weights
 
 
-def param_shapes(cfg: Qwen3Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Path -> shape of every parameter of a `Qwen3(cfg)` (no `lm_head` when the embeddings are tied)."""
+def param_kind(path: tuple) -> tuple[str, ...]:
+    """The `PARAM_AXES` kind of a parameter path: ("layers", i, name) -> ("layers", name); others unchanged."""
+    return ("layers", path[2]) if path[0] == "layers" else tuple(path)
+
+
+def param_axes(cfg: Qwen3Config) -> dict[tuple, tuple[str, ...]]:
+    """Path -> logical axes of every parameter of a `Qwen3(cfg)` (no `lm_head` when the embeddings are tied), in
+    the order of HF checkpoints: embedding, layers 0 .. L-1, final norm, head."""
+    top = {kind: axes for kind, axes in PARAM_AXES.items() if kind[0] != "layers"
+           and not (kind == ("lm_head",) and cfg.tie_word_embeddings)}
+    layers = {("layers", i, name): PARAM_AXES[("layers", name)] for i in range(cfg.num_layers)
+              for name in LAYER_PARAMS}
+    return {("embedding",): top.pop(("embedding",))} | layers | top
+
+
+def param_shapes(cfg: Qwen3Config) -> dict[tuple, tuple[int, ...]]:
+    """Path -> shape of every parameter of a `Qwen3(cfg)` (`param_axes` with the sizes of `cfg`)."""
     sizes = cfg.axis_sizes()
-    return {path: tuple(sizes[a] for a in axes) for path, axes in PARAM_AXES.items()
-            if not (path == ("lm_head",) and cfg.tie_word_embeddings)}
+    return {path: tuple(sizes[a] for a in axes) for path, axes in param_axes(cfg).items()}

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")  # read by jax.distributed
@@ -108,7 +109,5 @@ def agree(flags: Sequence[bool]) -> list[bool]:
     """The writer's `flags` on every process (a no-op with one process)."""
     if jax.process_count() == 1:
         return list(flags)
-    from jax.experimental import multihost_utils
-
     values = multihost_utils.broadcast_one_to_all(np.asarray(flags, np.bool_))
     return [bool(v) for v in np.asarray(values)]

@@ -24,25 +24,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
+from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
 from vase_jax.cache import KVCache, first_rows, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
-from vase_jax.jit import backend_jit
-from vase_jax.model import LAYER_LOOPS as MODEL_LOOPS
-from vase_jax.model import LayerWeights, Qwen3, prompt_positions
+from vase_jax.jit import target_jit
+from vase_jax.model import Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
 from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
+from vase_jax.target import LAYER_LOOPS as TARGET_LOOPS
+from vase_jax.target import PLATFORMS, Target, devices_platform
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-LAYER_LOOPS = ("auto",) + MODEL_LOOPS
-try:  # the kernels' own list of implementations, when it has one
-    from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
-except ImportError:  # pragma: no cover
-    ATTENTION_IMPLS = ("auto", "xla", "pallas")
+LAYER_LOOPS = ("auto",) + TARGET_LOOPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +57,16 @@ class GenerateConfig:
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
     return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
-    # How the decode step runs the layers: "scan" (one compiled layer, slicing the weight stacks per step),
-    # "switch" (the same scan, each matmul reading per-layer weight buffers sliced once before the loop),
-    # "unroll" (per-layer code over those buffers: compile time grows with depth), "auto" (switch on CPU, where a
-    # sliced weight is copied, else scan). See `vase_jax.model.run_layers`.
-    # The prefill and the eviction always scan. All give the same tokens.
+    # How the prefill and the decode steps run the layers: "unroll" (a Python loop, each layer its own code),
+    # "switch" (a scan over the layer index whose matmuls pick their layer's weight by `lax.switch`: compile time
+    # flat in depth), "auto" (the platform's default: unroll on GPU, switch on CPU and TPU). Both read each weight
+    # where it lives and give the same tokens. See `vase_jax.model.run_layers` and `vase_jax.target`.
     layer_loop: str = "auto"
+    # The platform the program is for ("cpu", "cuda", "rocm", "tpu"); it decides the cache's storage, the layer
+    # loop's default and the CPU-only workarounds (`vase_jax.target`). None: the platform of the model's devices,
+    # or, inside your own `jax.jit` (where the weights are tracers that carry no device), JAX's default backend.
+    # `lower_generate(platforms=...)` sets it.
+    platform: str | None = None
     # The decode-attention kernel, with and without eviction: "auto" (Pallas on GPU, XLA elsewhere), "xla" or
     # "pallas" (interpret mode off GPU). The eviction scoring kernels follow the same switch.
     attention_impl: str = "auto"
@@ -92,6 +95,8 @@ class GenerateConfig:
                              f"{', '.join(ATTENTION_IMPLS)}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"GenerateConfig.layer_loop={self.layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
+        if self.platform is not None and self.platform not in PLATFORMS:
+            raise ValueError(f"GenerateConfig.platform={self.platform!r}; allowed: None, {', '.join(PLATFORMS)}")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
         return self
@@ -110,6 +115,12 @@ NO_EVICTION = EvictionConfig("full")
 
 @struct.dataclass
 class GenerateOutput:
+    """What `generate` returns. Device memory while it runs: the weights, the cache (`max(P, N) + B` slots per layer,
+    row and kv head with eviction, `P + max_new_tokens` without; P the prompt bucket), and the program's
+    temporaries beyond the cache: the prefill's activations (float32 MLP intermediates of batch x prompt tokens),
+    one layer's eviction scores (layers are evicted one at a time), the logits and sampling arrays. No weight and
+    no part of the cache is copied (docs/DESIGN.md, "Memory to expect")."""
+
     tokens: jax.Array  # [batch, max_new_tokens] int32, pad after the end token
     num_tokens: jax.Array  # [batch] int32, tokens generated per row (end token included)
     finished: jax.Array  # [batch] bool, True when the row emitted an end token
@@ -143,8 +154,6 @@ NO_GAP = 1 << 30
 
 def _validate_caps(max_new_tokens, batch: int, config: GenerateConfig):
     """Per-row caps: None (config.max_new_tokens for every row) or [batch] ints in [1, config.max_new_tokens]."""
-    import numpy as np
-
     if max_new_tokens is None:
         return np.full((batch,), config.max_new_tokens, np.int32)
     if isinstance(max_new_tokens, jax.core.Tracer):
@@ -179,8 +188,6 @@ def _validate_inputs(model, input_ids, attention_mask, config: GenerateConfig, e
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids={tuple(input_ids.shape)}: empty prompt (batch and seq must be >= 1)")
     if not isinstance(attention_mask, jax.core.Tracer):
-        import numpy as np
-
         mask = np.asarray(attention_mask)
         empty = np.flatnonzero(mask.sum(axis=1) == 0)
         if empty.size:
@@ -211,19 +218,17 @@ def generate(
 
     A model sharded over a `("data", "model")` mesh (`vase_jax.sharding.shard_model`, or `from_pretrained(...,
     mesh=)`) runs on that mesh: rows over `data`, heads over `model`; the cache is created sharded the same way.
+
+    The program is built for the platform of the model's devices (`GenerateConfig.platform` inside your own
+    `jax.jit`; `vase_jax.target`); `GenerateOutput` says what device memory it holds.
     """
     args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
     out = _generate(*args)
-    if _lone_row(input_ids):
+    if args[2].shape[0] != jnp.shape(input_ids)[0]:  # a lone row ran beside a copy of itself (`_prepare`)
         out = out.replace(tokens=out.tokens[:1], num_tokens=out.num_tokens[:1], finished=out.finished[:1],
                           row_evictions=out.row_evictions[:1], cache_length=out.cache_length[:1],
                           cache=None if out.cache is None else first_rows(out.cache, 1))
     return out
-
-
-def _lone_row(input_ids) -> bool:
-    """A batch of one row runs beside a copy of itself (`_prepare`)."""
-    return jnp.shape(input_ids)[0] == 1
 
 
 def lower_generate(
@@ -238,26 +243,50 @@ def lower_generate(
     max_new_tokens=None,
     platforms: tuple[str, ...] | None = None,
 ) -> jax.stages.Lowered:
-    """The `generate` program lowered for `platforms` (e.g. `("cuda",)` or `("tpu",)`, default: this host's),
-    without running it: the same validation and padding as `generate`. Lowering for a platform the host does not
-    have checks that every kernel of that platform lowers (`.as_text()` shows the program)."""
-    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
+    """The `generate` program lowered for `platforms` (one platform, e.g. `("cuda",)` or `("tpu",)`; default: as
+    `generate` picks it), without running it: the same validation, padding and `Target` as `generate` on that
+    platform, so the text is the program that platform runs. Lowering for a platform the host does not have
+    checks that every kernel of that platform lowers (`.as_text()` shows the program); the model may be abstract
+    (`ShapeDtypeStruct` weights)."""
+    platform = None
+    if platforms is not None:
+        if len(platforms) != 1 or platforms[0] not in PLATFORMS + ("gpu",):
+            raise ValueError(f"platforms={platforms!r}: one platform, one of {', '.join(PLATFORMS)} (the cache "
+                             "storage and the layer loop depend on it)")
+        platform = Target.make(platforms[0]).platform
+    args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens, platform)
     traced = _generate.trace(*args)
-    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+    return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
 
-def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens=None):
+def generate_target(model: Qwen3, config: GenerateConfig, platform: str | None = None) -> Target:
+    """The `Target` of a `generate` call: `platform` (a lowering's), else `config.platform`, else the platform of
+    the model's devices, else (abstract or traced weights) JAX's default backend; with `config.layer_loop`."""
+    if platform is not None:
+        if config.platform is not None and Target.make(config.platform).platform != platform:
+            raise ValueError(f"GenerateConfig.platform={config.platform!r} disagrees with the lowering platform "
+                             f"{platform!r}")
+        return Target.make(platform, config.layer_loop)
+    found = devices_platform(nnx.state(model))
+    if config.platform is not None and found is not None and Target.make(config.platform).platform != found:
+        raise ValueError(f"GenerateConfig.platform={config.platform!r}, but the model's weights are on {found} "
+                         "devices")
+    return Target.make(config.platform or found or jax.default_backend(), config.layer_loop)
+
+
+def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens=None, platform=None):
     """Validate, pad the prompt to its bucket and split the model: the arguments of `_generate`."""
     input_ids = jnp.asarray(input_ids)
     attention_mask = jnp.asarray(attention_mask)
     _validate_inputs(model, input_ids, attention_mask, config, eviction)
+    target = generate_target(model, config, platform)
     b, t_in = input_ids.shape
     caps = jnp.asarray(_validate_caps(max_new_tokens, b, config))
     key = typed_key(jnp.asarray(key) if not isinstance(key, jax.Array) else key)
     _validate_key(key, b)
     if row_ids is not None and jnp.shape(row_ids) != (b,):
         raise ValueError(f"row_ids has shape {tuple(jnp.shape(row_ids))}; expected [batch] = ({b},)")
-    if b == 1:
+    if b == 1 and target.pads_lone_rows:
         # XLA:CPU runs a one-row matmul as a matrix-vector product, whose float32 sums differ from those of the
         # multi-row kernel that every larger batch uses. A row's numbers must not depend on its batch's size (the
         # continuous engine runs samples in batches of any size), so a lone row runs beside a copy of itself;
@@ -281,10 +310,9 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))
         input_ids, attention_mask = put(input_ids, rows), put(attention_mask, rows)
         row_ids = put(row_ids, jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh)))
-    per_layer = model.per_layer_matrices(resolve_layer_loop(config.layer_loop))  # switch: split before the program
     graphdef, state = nnx.split(model)
-    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, mesh,
-            per_layer)
+    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, target,
+            mesh)
 
 
 def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -317,10 +345,11 @@ def ended(token: jax.Array, num_tokens: jax.Array, cap: jax.Array, config: Gener
     return jnp.isin(token, eos) | (num_tokens >= cap)
 
 
-def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: GenerateConfig, eviction: EvictionConfig,
-                keep_going, mesh: jax.sharding.Mesh | None = None) -> LoopState:
+def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: EvictionConfig, keep_going,
+                target: Target, mesh: jax.sharding.Mesh | None = None) -> LoopState:
     """Decode steps while `keep_going(s)` (a scalar bool) holds, evicting the rows whose trigger fires. Under a
     `mesh` the cache keeps its sharding through the loop and each device evicts its own rows and kv heads.
+    `target`: the platform and layer loop of the program (`vase_jax.target`).
 
     A step feeds `last` of every active row (not done, and the batch has reached its `start` step), samples its
     next token with its own key and step index, and writes it at column `num_tokens` of its output buffer.
@@ -335,7 +364,7 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
 
     def step(s: LoopState) -> LoopState:
         active = ~s.done & (s.step >= s.start)
-        logits, cache = decode_step(model, s.cache.replace(active=active), s.last, impl, layers)
+        logits, cache = decode_step(model, s.cache.replace(active=active), s.last, impl, target)
         cache = constrain_cache(cache, mesh)  # the loop carry keeps the cache's sharding: no reshuffling per step
         token = sample(whole_vocab(logits, mesh), fold_rows(s.sample_key, s.num_tokens), config.sampling, s.row_ids)
         column = jnp.where(active, s.num_tokens, width)  # inactive rows: out of range, dropped
@@ -359,10 +388,9 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
 
         s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
         due = framework.should_evict(s.cache, eviction)
-        def evict(c: KVCache) -> KVCache:  # per device under a mesh
-            return constrain_cache(framework.evict_per_device(c, eviction, s.evict_key, s.row_ids, impl), mesh)
-
-        cache = jax.lax.cond(due, evict, lambda c: c, s.cache)
+        # No conditional around the event (XLA:GPU would copy the cache into and out of its branches): with no
+        # row due, `evict` runs zero layers. Per device under a mesh.
+        cache = constrain_cache(framework.evict_per_device(s.cache, eviction, s.evict_key, s.row_ids, impl), mesh)
         gap = jnp.where(due, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
         return s.replace(cache=cache, events=s.events + due.astype(jnp.int32), min_event_gap=gap,
                          last_event=jnp.where(due, s.step, s.last_event))
@@ -370,29 +398,26 @@ def decode_loop(model: Qwen3, layers: LayerWeights, s: LoopState, config: Genera
     return jax.lax.while_loop(running, segment, s)
 
 
-@functools.partial(backend_jit, static_argnums=(0, 7, 8, 9, 10), mesh_argnum=10)
+@functools.partial(target_jit, static_argnums=(0, 7, 8, 9, 10, 11), target_argnum=10, mesh_argnum=11)
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int, mesh: jax.sharding.Mesh | None = None,
-              per_layer=None) -> GenerateOutput:
+              eviction: EvictionConfig, capacity: int, target: Target,
+              mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
         return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction,
-                              capacity, mesh, per_layer)
+                              capacity, target, mesh)
 
 
 def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-                   eviction: EvictionConfig, capacity: int, mesh, per_layer=None) -> GenerateOutput:
+                   eviction: EvictionConfig, capacity: int, target: Target, mesh) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     sample_key, evict_key = split_keys(key, b)
 
     with jax.named_scope("prefill"):
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
-                                config.attention_impl, framework.slot_state(eviction), mesh)
+                                config.attention_impl, framework.slot_state(eviction), mesh, target)
         first = first_tokens(logits, sample_key, row_ids, config, mesh)
-    # switch: the per-layer weight buffers come split (`_prepare`); unroll: sliced out of the stacks here, once.
-    # Either way no step copies them.
-    layers = model.layer_weights(resolve_layer_loop(config.layer_loop), per_layer)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
@@ -403,7 +428,7 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
     state0 = LoopState(cache=cache, tokens=tokens, last=first, done=ended(first, ones, caps, config), num_tokens=ones,
                        cap=caps, start=start, sample_key=sample_key, evict_key=evict_key, row_ids=row_ids,
                        step=jnp.int32(0), **no_events())
-    final = decode_loop(model, layers, state0, config, eviction, lambda s: jnp.bool_(True), mesh)
+    final = decode_loop(model, state0, config, eviction, lambda s: jnp.bool_(True), target, mesh)
     return GenerateOutput(tokens=final.tokens, num_tokens=final.num_tokens, finished=ended_by_token(final, config),
                           evictions=final.events,
                           row_evictions=final.cache.evictions, cache_length=final.cache.length,
@@ -429,34 +454,26 @@ def query_window(eviction: EvictionConfig) -> int:
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
             attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None,
-            layers: LayerWeights | None = None):
+            target: Target | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
     `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
     policy's per-slot state arrays (`framework.slot_state`); `mesh`: create the cache sharded over it
-    (`vase_jax.sharding.cache_specs`); `layers`: `model.layer_weights(...)` already computed (default: the
-    stacks, scanned).
+    (`vase_jax.sharding.cache_specs`); `target`: the program's platform and layer loop (default: as
+    `Qwen3.forward` picks it), which also decides the cache's storage.
     """
-    cache = constrain_cache(init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state), mesh)
-    logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache, attention_mask=attention_mask,
-                                  attention_impl=attention_impl, layers=layers, last_logits_only=True)
+    target = Target.of(model.embedding[...]) if target is None else target
+    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
+    logits, cache = model.forward(input_ids, prompt_positions(attention_mask), constrain_cache(cache, mesh),
+                                  attention_mask=attention_mask, attention_impl=attention_impl, target=target,
+                                  last_logits_only=True)
     return logits[:, -1], constrain_cache(cache, mesh)
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto",
-                layers: LayerWeights | None = None):
-    """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache).
-
-    `layers`: `model.layer_weights(...)` computed once outside the loop (default: stacked, scanned).
-    """
+                target: Target | None = None):
+    """Feed one token per row: token [batch] -> (logits [batch, vocab] f32, updated cache). `target`: as in
+    `prefill`."""
     logits, cache = model.forward(token[:, None], cache.row_pos[:, None], cache, attention_impl=attention_impl,
-                                  layers=layers)
+                                  target=target)
     return logits[:, 0], cache
-
-
-def resolve_layer_loop(layer_loop: str) -> str:
-    """ "auto" -> "switch" on CPU (XLA:CPU copies every weight a dot reads through a slice of the stack, so the
-    plain scanned decode step would copy each layer's weights at every step), "scan" on GPU and TPU."""
-    if layer_loop == "auto":
-        return "switch" if jax.default_backend() == "cpu" else "scan"
-    return layer_loop

@@ -6,28 +6,31 @@ attention scale head_dim ** -0.5 with the softmax in float32; SwiGLU MLP; residu
 Matmuls ask for a float32 result and cast it back (HF's bf16 linear accumulates in float32 too; XLA:CPU runs a
 bf16 x bf16 -> f32 dot natively, whereas a bf16-result dot converts the whole weight to float32 first).
 
-Layer weights are stacked: each kind is one array with a leading `layers` axis (`PARAM_AXES` names every axis).
-One layer function, `decoder_layer`, serves every entry point:
+Layer weights are held per layer (`Qwen3.layers`, one `DecoderLayer` per layer, HF's `model.layers.{i}` order;
+`PARAM_AXES` names every axis), so a step reads each weight where it lives. One layer function, `decoder_layer`,
+serves every entry point:
 
 - `model(input_ids, attention_mask=None)`: the plain forward pass, float32 logits `[batch, seq, vocab]`.
 - `model.forward(tokens, positions, cache, ...)`: the same layers with a KV cache (`vase_jax.cache`): a
   multi-token call fills an empty cache with a prompt (prefill), a one-token call appends to it (decode step).
   The cache write happens inside attention. Returns (logits, cache).
 
-The layers run as a `lax.scan` over the stacked weights (one compiled layer, whatever the depth), as the same
-scan with each matmul reading per-layer weight buffers through a `lax.switch` (`SwitchedLayers`: no weight copied
-per step on XLA:CPU), or unrolled over per-layer weights: see `run_layers`.
+The layers run as the target says (`vase_jax.target.Target.layer_loop`, see `run_layers`): unrolled (a Python
+loop: each layer its own code) or switched (a `lax.scan` over the layer index whose matmuls pick their layer's
+weight with a `lax.switch`: one compiled layer whatever the depth). The KV cache stays stacked over layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from vase_jax import weights
 from vase_jax.attention import decode_attention
 from vase_jax.cache import (
     KVCache,
@@ -40,25 +43,27 @@ from vase_jax.cache import (
     write_prompt,
     write_token,
 )
-from vase_jax.config import LAYER_PARAMS, NORM_PARAMS, Qwen3Config, param_shapes
+from vase_jax.config import LAYER_PARAMS, MATRIX_PARAMS, NORM_PARAMS, PARAM_AXES, Qwen3Config
+from vase_jax.target import Target
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False) -> jax.Array:
     """`einsum(spec, x, w)` for a 2-D x [rows, in] with a float32 result (see `matmuls`)."""
-    return matmuls(spec, x, (w,))[0]
+    return matmuls(spec, x, (w,), pad_lone_row)[0]
 
 
-def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...]) -> tuple[jax.Array, ...]:
-    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], float32 results. XLA:CPU runs a one-row 16-bit
-    matmul (a matrix-vector product: decode at batch 1) about 8x slower than a two-row one, so there one zero row
-    is added and dropped again. `PerLayer` weights are multiplied in place, all in one `lax.switch` on their
-    layer index (one branch per layer, whatever the number of weights)."""
+def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...],
+            pad_lone_row: bool = False) -> tuple[jax.Array, ...]:
+    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], float32 results. `pad_lone_row` (the target's
+    `pads_lone_rows`): XLA:CPU runs a one-row 16-bit matmul (a matrix-vector product) about 8x slower than a
+    two-row one, so there one zero row is added and dropped again. `PerLayer` weights are multiplied in place, all
+    in one `lax.switch` on their layer index (one branch per layer, whatever the number of weights)."""
     rows = x.shape[0]
-    pad = rows == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu"
+    pad = pad_lone_row and rows == 1 and x.dtype.itemsize == 2
     if pad:
         x = jnp.pad(x, ((0, 1), (0, 0)))
     if isinstance(ws[0], PerLayer):
@@ -75,10 +80,9 @@ def _dots(spec: str, ws: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class PerLayer:
-    """One kind of matmul weight inside a scanned layer: every layer's array (`arrays[l]`, separate buffers) and
-    the traced layer `index`. `matmul` multiplies by `arrays[index]` through a `lax.switch` whose branches each
-    read one buffer as it is, so no iteration slices (on XLA:CPU: copies) a weight out of a stack, and each
-    branch is one dot, which XLA:CPU runs as a library call with nothing to generate code for."""
+    """One kind of matmul weight inside the switched layer loop: every layer's array (`arrays[l]`, the model's
+    own buffers) and the traced layer `index`. `matmul` multiplies by `arrays[index]` through a `lax.switch` whose
+    branches each read one buffer where it lives: nothing is sliced or copied, and each branch is one dot."""
 
     arrays: tuple[jax.Array, ...]
     index: jax.Array
@@ -87,15 +91,15 @@ class PerLayer:
         return PerLayer(tuple(a.reshape(*shape) for a in self.arrays), self.index)
 
 
-def linear(x: jax.Array, w: jax.Array | PerLayer) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False) -> jax.Array:
     """x [n, in] times w [out, in] (HF's layout) -> [n, out], a float32 result cast to x's dtype. Callers flatten
     to 2-D: inside a loop, XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
-    return linears(x, (w,))[0]
+    return linears(x, (w,), pad_lone_row)[0]
 
 
-def linears(x: jax.Array, ws: tuple) -> tuple[jax.Array, ...]:
+def linears(x: jax.Array, ws: tuple, pad_lone_row: bool = False) -> tuple[jax.Array, ...]:
     """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones)."""
-    return tuple(y.astype(x.dtype) for y in matmuls("ni,oi->no", x, ws))
+    return tuple(y.astype(x.dtype) for y in matmuls("ni,oi->no", x, ws, pad_lone_row))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -147,7 +151,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, r
 
 
 # ---- the layer function ---------------------------------------------------------------------------------------
-def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array):
+def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, pad_lone_row: bool = False):
     """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
 
     Projections are plain 2-D matmuls against `[heads * head_dim, embed]` views of the weights, so no weight is
@@ -158,9 +162,11 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
 
     counts = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads, "v_proj": cfg.num_kv_heads}
     # [batch * seq, embed] x [n * d, embed] -> [batch, n, seq, d]
-    q, k, v = (y.reshape(b, t, counts[name], d).transpose(0, 2, 1, 3) for name, y in zip(
-        counts, linears(x.reshape(b * t, e), tuple(w[name].reshape(n * d, e) for name, n in counts.items())),
-        strict=True))  # q [batch, q_heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]
+    projected = linears(x.reshape(b * t, e), tuple(w[name].reshape(n * d, e) for name, n in counts.items()),
+                        pad_lone_row)
+    q, k, v = (y.reshape(b, t, counts[name], d).transpose(0, 2, 1, 3) for name, y in zip(counts, projected,
+                                                                                          strict=True))
+    # q [batch, q_heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]
     q = rope(rms_norm(q, w["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
     k = rope(rms_norm(k, w["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
     q = q.reshape(b, cfg.num_kv_heads, cfg.group, t, d)  # [batch, kv_heads, group, seq, head_dim]
@@ -168,7 +174,7 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
 
 
 def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, mask: jax.Array | None,
-              cache: KVCache | None, layer, attention_impl: str):
+              cache: KVCache | None, layer, attention_impl: str, pad_lone_row: bool = False):
     """Self-attention of one layer: x [batch, seq, embed] -> (x + attention output, cache).
 
     Without a cache, or with a multi-token input (which fills slots [0, seq) of an empty cache), the queries attend
@@ -180,7 +186,7 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a cache without
     state runs exactly the code above.
     """
-    q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions)
+    q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, pad_lone_row)
     b, t = x.shape[:2]
     if cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
@@ -199,136 +205,65 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
-    return x + linear(out, w["o_proj"].reshape(-1, hd)).reshape(b, t, -1), cache
+    return x + linear(out, w["o_proj"].reshape(-1, hd), pad_lone_row).reshape(b, t, -1), cache
 
 
-def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, pad_lone_row: bool = False) -> jax.Array:
     """x + SwiGLU(RMSNorm(x)): [batch, seq, embed], as 2-D matmuls over [batch * seq, embed]."""
     b, t, e = x.shape
     h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps).reshape(b * t, e)
-    gate, up = linears(h, (w["gate_proj"], w["up_proj"]))  # [batch * seq, mlp] each
-    return x + linear(jax.nn.silu(gate) * up, w["down_proj"]).reshape(b, t, e)
+    gate, up = linears(h, (w["gate_proj"], w["up_proj"]), pad_lone_row)  # [batch * seq, mlp] each
+    return x + linear(jax.nn.silu(gate) * up, w["down_proj"], pad_lone_row).reshape(b, t, e)
 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
-                  mask: jax.Array | None, cache: KVCache | None, layer, attention_impl: str = "auto"):
-    """One decoder layer with weights `w` (one layer's slice of every stacked weight): (x, cache) -> (x, cache)."""
+                  mask: jax.Array | None, cache: KVCache | None, layer, attention_impl: str = "auto",
+                  pad_lone_row: bool = False):
+    """One decoder layer with weights `w` (`DecoderLayer.weights`, or the switched loop's view of every layer's):
+    (x, cache) -> (x, cache). `layer` indexes the stacked cache (an int, or traced in the switched loop)."""
     with jax.named_scope("attention"):
-        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl)
+        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl, pad_lone_row)
     with jax.named_scope("mlp"):
-        x = mlp(cfg, w, x)
+        x = mlp(cfg, w, x, pad_lone_row)
     return x, cache
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SwitchedLayers:
-    """Layer weights for a scanned loop that reads every matmul weight in place (`run_layers`): `stacked`, the
-    RMSNorm scales as `[layers, ...]` arrays (sliced per iteration: a few KB), and `per_layer`, one dict of the
-    matmul weights per layer (`PerLayer`)."""
+def run_layers(body, carry, layers: Sequence[dict[str, jax.Array]], loop: str):
+    """carry <- body(carry, w_l, l) for every layer l, w_l the weights of layer l (`DecoderLayer.weights`).
 
-    stacked: dict[str, jax.Array]
-    per_layer: tuple[dict[str, jax.Array], ...]
-
-
-LayerWeights = dict[str, jax.Array] | tuple[dict[str, jax.Array], ...] | SwitchedLayers
-LAYER_LOOPS = ("scan", "unroll", "switch")
-
-
-def run_layers(body, carry, layers: LayerWeights, unroll: int = 1):
-    """carry <- body(carry, w_l, l) for every layer l; the form of `layers` (`layer_weights`) picks the loop.
-
-    - stacked (a dict of `[layers, ...]` arrays): a `lax.scan` over the stack, one compiled layer (`unroll`
-      layers per iteration). Each iteration slices its layer's weights; XLA:CPU copies a slice that a dot
-      reads, so on CPU every step would copy all the weights once.
-    - `SwitchedLayers`: the same scan, but each matmul reads its own layer's buffer through a `lax.switch`
-      (`PerLayer`), so nothing is copied per step; compile time still does not grow with depth beyond one dot
-      per weight and layer. The CPU default.
-    - a tuple of per-layer dicts: a Python loop, each layer its own code, indices static (compile time grows
-      with depth).
+    - "unroll": a Python loop; each layer is its own code and indexes the cache with a static l.
+    - "switch": a `lax.scan` over l (one compiled layer body, whatever the depth). Each matmul reads its layer's
+      weight through a `lax.switch` on l (`PerLayer`), so no weight is sliced or copied; the RMSNorm scales, a
+      few KB per layer, are stacked once per call and indexed.
     """
-    if isinstance(layers, tuple):
+    if loop == "unroll":
         for i, w in enumerate(layers):
             with jax.named_scope(f"layer_{i}"):
                 carry = body(carry, w, i)
         return carry
-    stacked = layers.stacked if isinstance(layers, SwitchedLayers) else layers
-    num_layers = (len(layers.per_layer) if isinstance(layers, SwitchedLayers)
-                  else next(iter(stacked.values())).shape[0])
+    if loop != "switch":
+        raise ValueError(f"loop={loop!r}; allowed: unroll, switch")
+    norms = {name: jnp.stack([w[name] for w in layers]) for name in NORM_PARAMS}  # [layers, ...] each
 
     def step(c, i):
-        # Sliced through the `as_bits` view on CPU (XLA:CPU would convert a whole bf16 stack to float32 to slice
-        # it), inside the loop body so that the view fuses into the slice (`vase_jax.jit`: not hoisted and
-        # materialized as a uint16 copy of every stack).
-        w = {name: from_bits(jax.lax.dynamic_index_in_dim(_sliceable(x), i, keepdims=False), x.dtype)
-             for name, x in stacked.items()}
-        if isinstance(layers, SwitchedLayers):
-            w |= {name: PerLayer(tuple(lw[name] for lw in layers.per_layer), i) for name in layers.per_layer[0]}
+        w = {name: norms[name][i] for name in NORM_PARAMS}
+        w |= {name: PerLayer(tuple(lw[name] for lw in layers), i) for name in MATRIX_PARAMS}
         return body(c, w, i), None
 
-    return jax.lax.scan(step, carry, jnp.arange(num_layers, dtype=jnp.int32), unroll=unroll)[0]
-
-
-def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """Stacked layer weights -> one dict per layer (static slices: inside jit, one copy of the weights)."""
-    num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: x[i] for name, x in layers.items()} for i in range(num_layers))
-
-
-def switched_layers(layers: dict[str, jax.Array], per_layer: tuple[dict[str, jax.Array], ...] | None = None
-                    ) -> SwitchedLayers:
-    """Stacked layer weights -> `SwitchedLayers`. `per_layer`: the matmul weights already split
-    (`per_layer_matrices`, outside the program); None: split here, once (inside jit, one copy of them), behind an
-    optimization barrier so that XLA does not sink the slices back into the loop's switch branches (where each
-    step would copy them again)."""
-    if per_layer is None:
-        matmuls = {name: _as_matrix(name, x) for name, x in layers.items() if name not in NORM_PARAMS}
-        per_layer = jax.lax.optimization_barrier(unstack_layers(matmuls))
-    return SwitchedLayers({name: layers[name] for name in NORM_PARAMS}, per_layer)
-
-
-def per_layer_matrices(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """The matmul weights of every layer as separate `[out, in]` buffers (one copy of them), for
-    `switched_layers(layers, per_layer)`. Called outside jit, one small program (`_layer_matrices`, the layer index
-    a runtime argument: compiled once per model shape) copies one layer per call. A decode program that takes
-    the buffers as arguments then has no slice of its own to compile: split inside it, the 252 slices of a
-    36-layer model were 246 of its 551 loop fusions and about a third of its compile time on XLA:CPU. Inside a
-    trace, the slices join the caller's program, behind an optimization barrier (as in `switched_layers`)."""
-    num_layers = next(iter(layers.values())).shape[0]
-    matrices = {name: x for name, x in layers.items() if name not in NORM_PARAMS}
-    split = tuple(_layer_matrices(matrices, jnp.int32(i)) for i in range(num_layers))
-    traced = isinstance(next(iter(matrices.values())), jax.core.Tracer)
-    return jax.lax.optimization_barrier(split) if traced else split
-
-
-@jax.jit
-def _layer_matrices(matrices: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:
-    """Layer `index`'s matmul weights, copied out of their stacks as `[out, in]`."""
-    return {name: jax.lax.dynamic_index_in_dim(_as_matrix(name, x), index, keepdims=False)
-            for name, x in matrices.items()}
-
-
-def _as_matrix(name: str, x: jax.Array) -> jax.Array:
-    """A `[layers, ...]` matmul weight stack as `[layers, out, in]`, the 2-D view its matmul reads. Reshaped
-    before the slices, since a reshape left after the optimization barrier is a second copy on XLA:CPU."""
-    return x.reshape(x.shape[0], x.shape[1], -1) if name == "o_proj" else x.reshape(x.shape[0], -1, x.shape[-1])
-
-
-def _sliceable(x: jax.Array) -> jax.Array:
-    """A weight stack as it is sliced: its `as_bits` view on CPU (see above), itself elsewhere."""
-    return as_bits(x) if jax.default_backend() == "cpu" else x
+    return jax.lax.scan(step, carry, jnp.arange(len(layers), dtype=jnp.int32))[0]
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
-class DecoderLayers(nnx.Module):
-    """Every decoder layer's weights, stacked: `[layers, ...]` arrays named as in `PARAM_AXES`."""
+class DecoderLayer(nnx.Module):
+    """One decoder layer's weights, each its own array, named and shaped as the ("layers", name) kinds of
+    `PARAM_AXES` (HF's `model.layers.{i}.*`, matrices `[out, in]`)."""
 
     def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
-        for path, shape in param_shapes(cfg).items():
-            if path[0] == "layers":
-                name = path[1]
-                value = nnx.Param(jnp.ones(shape, dtype)) if name in NORM_PARAMS else _normal(rngs, shape, dtype)
-                setattr(self, name, value)
+        sizes = cfg.axis_sizes()
+        for name in LAYER_PARAMS:
+            shape = tuple(sizes[a] for a in PARAM_AXES[("layers", name)])
+            value = nnx.Param(jnp.ones(shape, dtype)) if name in NORM_PARAMS else _normal(rngs, shape, dtype)
+            setattr(self, name, value)
 
     def weights(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
@@ -342,7 +277,7 @@ class Qwen3(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embedding = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
 
@@ -351,16 +286,14 @@ class Qwen3(nnx.Module):
                         mesh: jax.sharding.Mesh | None = None) -> Qwen3:
         """Load a HF Qwen3 checkpoint folder (safetensors), a hub id, or a folder written by `scripts/convert.py`.
 
-        `mesh`: a `("data", "model")` mesh (`vase_jax.sharding.make_mesh`); each weight is read straight into its
-        shards (`vase_jax.sharding.param_shardings`), and `generate` then runs on that mesh."""
-        from vase_jax import weights
-
+        `mesh`: a `("data", "model")` mesh (`vase_jax.sharding.make_mesh`, or `jax.make_mesh`); each weight is read
+        straight into its shards (`vase_jax.sharding.param_shardings`), and `generate` then runs on that mesh."""
         cfg, params = weights.load_params(path_or_hub_id, dtype=dtype, revision=revision, mesh=mesh)
         return cls.from_params(cfg, params, dtype)
 
     @classmethod
-    def from_params(cls, cfg: Qwen3Config, params: dict[tuple[str, ...], jax.Array], dtype) -> Qwen3:
-        """A model holding `params` ({`PARAM_AXES` path: array}, every parameter of `cfg`), cast to `dtype`."""
+    def from_params(cls, cfg: Qwen3Config, params: dict[tuple, jax.Array], dtype) -> Qwen3:
+        """A model holding `params` ({`param_axes` path: array}, every parameter of `cfg`), cast to `dtype`."""
         graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
         flat = []
         for path, var in nnx.to_flat_state(state):
@@ -373,42 +306,26 @@ class Qwen3(nnx.Module):
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
     # ---- pieces -------------------------------------------------------------------------------------------------
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """Rows of the embedding table, gathered on its `as_bits` view (XLA:CPU would convert a whole bf16 table
-        to float32 to gather from it): [batch, seq, embed]."""
+    def embed(self, tokens: jax.Array, target: Target) -> jax.Array:
+        """Rows of the embedding table: [batch, seq, embed]. Gathered on its `as_bits` view where the target says
+        (`Target.gathers_bits`: XLA:CPU would convert a whole bf16 table to float32 to gather from it)."""
         table = self.embedding[...]
+        if not target.gathers_bits:
+            return jnp.take(table, tokens, axis=0)
         return from_bits(jnp.take(as_bits(table), tokens, axis=0), table.dtype)
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, pad_lone_row: bool = False) -> jax.Array:
         """Final norm and LM head; float32 logits [batch, seq, vocab]."""
         with jax.named_scope("lm_head"):
             b, t, e = x.shape
             x = self.norm(x).reshape(b * t, e)  # a 2-D matmul: XLA:CPU runs "bte,ve->btv" inside a loop 3x slower
             head = self.embedding if self.lm_head is None else self.lm_head  # [vocab, embed]
-            logits = matmul("ne,ve->nv", x, head[...])
+            logits = matmul("ne,ve->nv", x, head[...], pad_lone_row)
             return logits.reshape(b, t, -1)  # [batch, seq, vocab]
 
-    def layer_weights(self, loop: str = "scan", per_layer: tuple[dict[str, jax.Array], ...] | None = None
-                      ) -> LayerWeights:
-        """The layer weights in the form `run_layers` runs as `loop` (`LAYER_LOOPS`): "scan" the stacked
-        weights, "switch" `SwitchedLayers`, "unroll" one dict per layer. Inside jit, the last two slice the
-        weights (one copy of them) where they are called: outside the decode loop; for "switch", `per_layer`
-        (`per_layer_matrices`, split before the program) saves that."""
-        stacked = self.layers.weights()
-        if loop not in LAYER_LOOPS:
-            raise ValueError(f"loop={loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
-        return {"scan": lambda: stacked, "switch": lambda: switched_layers(stacked, per_layer),
-                "unroll": lambda: unstack_layers(stacked)}[loop]()
-
-    def per_layer_matrices(self, loop: str) -> tuple[dict[str, jax.Array], ...] | None:
-        """`per_layer_matrices` of this model's layers when `loop` is "switch", else None: what a decode program
-        takes as its `per_layer` argument."""
-        if loop != "switch":
-            return None
-        graphdef, state = nnx.split(self)
-        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(state)):  # abstract (ShapeDtypeStruct) weights
-            return jax.eval_shape(lambda s: per_layer_matrices(nnx.merge(graphdef, s).layers.weights()), state)
-        return per_layer_matrices(self.layers.weights())
+    def layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
+        """Every layer's weights (`DecoderLayer.weights`), in order: what `run_layers` reads."""
+        return tuple(layer.weights() for layer in self.layers)
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(
@@ -419,9 +336,8 @@ class Qwen3(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         attention_impl: str = "auto",
-        layers: LayerWeights | None = None,
+        target: Target | None = None,
         last_logits_only: bool = False,
-        unroll: int = 1,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions: [batch, seq] int32 -> (float32 logits [batch, seq, vocab], cache).
 
@@ -430,28 +346,28 @@ class Qwen3(nnx.Module):
           written into slots [0, P_b) of the empty `cache` (`vase_jax.cache.init_cache`); padding is dropped.
         - a cache and `seq == 1`: one decode step; each active row's token is written at slot `cache.length[b]`
           and attends over the row's live slots (`attention_impl` picks the decode kernel).
-        `layers`: the layer weights to run, in the form that picks the layer loop (default: this model's, stacked,
-        scanned; `layer_weights("switch")` or `layer_weights("unroll")` computed once outside a decode loop).
+        `target`: the platform the program is for and its layer loop (`vase_jax.target`; default: the platform of
+        the weights' devices, or JAX's default backend for abstract or traced weights, and its default loop).
         `last_logits_only`: logits of the last position only, [batch, 1, vocab] (the LM head is the largest
         matmul of a prefill).
         """
+        target = Target.of(self.embedding[...]) if target is None else target
         b, t = tokens.shape
         decoding = cache is not None and t == 1
         mask = None
         if not decoding:
             token_mask = (jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool))
             mask = jnp.tril(jnp.ones((t, t), bool))[None] & token_mask[:, None, :]  # [batch, tq, tk]
-        layers = self.layer_weights() if layers is None else layers
-        cfg = self.cfg
+        cfg, pad = self.cfg, target.pads_lone_rows
 
         def body(carry, w, i):
             x, c = carry
-            return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl)
+            return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl, pad)
 
         if cache is not None:  # positions and counters first: every layer's `pos` is the same
             cache = start_token(cache) if decoding else start_prompt(cache, mask[:, -1, :])
-        x, cache = run_layers(body, (self.embed(tokens), cache), layers, unroll)
-        return self.logits(x[:, -1:] if last_logits_only else x), cache
+        x, cache = run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
+        return self.logits(x[:, -1:] if last_logits_only else x, pad), cache
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Plain forward pass (no cache) over left-padded prompts: float32 logits [batch, seq, vocab]."""

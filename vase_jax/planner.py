@@ -3,11 +3,12 @@
     weights     = sum over parameters of the bytes of one device's shard (`sharding.param_specs`)
     cache       = sum over cache arrays of one device's shard (`sharding.cache_specs` of `jax.eval_shape`)
     temporaries = `Compiled.memory_analysis().temp_size_in_bytes` of the whole `generate` program compiled for
-                  the mesh on simulated host devices (`--xla_force_host_platform_device_count`)
+                  the mesh by its devices' own compiler: an H200's or a TPU v5p's without the device
+                  (`vase_jax.aot` topologies), or XLA:CPU's on simulated host devices
 
-Nothing is allocated: the model is abstract (`ShapeDtypeStruct`s with their shardings). The temporaries are
-XLA:CPU's for the scanned layer loop, the loop GPUs and TPUs run; another backend's buffer assignment differs
-somewhat (e.g. fusion choices), so treat them as an estimate; weights and cache are exact.
+Nothing is allocated: the model is abstract (`ShapeDtypeStruct`s with their shardings). The program is the one
+the mesh's platform runs (`vase_jax.target`: its layer loop, cache storage and kernels); weights and cache are
+exact, the temporaries are that compiler's buffer assignment.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, _generate, query_window
 from vase_jax.model import Qwen3
 from vase_jax.sharding import cache_specs, check_mesh, param_specs, per_device_bytes, spec_for
+from vase_jax.target import Target, platform_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,8 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     check_mesh(cfg, mesh, batch)
     eviction.validate()
     shape = dict(mesh.shape)
-    config = GenerateConfig(max_new_tokens=max_new_tokens, layer_loop="scan", attention_impl="xla")
+    target = Target.make(platform_of(mesh.devices.flat[0]))
+    config = GenerateConfig(max_new_tokens=max_new_tokens, platform=target.platform)
     t = config.bucket(prompt_len)
     capacity = framework.capacity_for(eviction, t, max_new_tokens)
     specs = param_specs(cfg, mesh)
@@ -58,7 +61,7 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     params = nnx.to_flat_state(nnx.state(abstract))
     weights = sum(per_device_bytes(v.shape, v.dtype, specs[p], shape) for p, v in params)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, query_window(eviction), dtype,
-                                              framework.slot_state(eviction)))
+                                              framework.slot_state(eviction), target))
     cspecs = cache_specs(cache, mesh)
     cache_bytes = sum(per_device_bytes(x.shape, x.dtype, s, shape) for x, s in
                       zip(jax.tree.leaves(cache), jax.tree.leaves(cspecs, is_leaf=lambda s: isinstance(
@@ -76,7 +79,7 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     rows = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))
     caps = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))  # per-row token caps
     compiled = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), rows, caps, config, eviction, capacity,
-                               mesh).compile()
+                               target, mesh).compile()
     m = compiled.memory_analysis()
     return MemoryPlan(weights, cache_bytes, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
                       int(m.output_size_in_bytes), capacity)

@@ -14,7 +14,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from vase_jax.config import NORM_PARAMS, Qwen3Config, param_shapes
+from vase_jax.config import NORM_PARAMS, PARAM_AXES, Qwen3Config
+from vase_jax.model import Qwen3
 
 TINY = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0,
@@ -24,24 +25,31 @@ HEAD_SCALE = 50.0  # head std 1: logits of std ~8, not ~0.2, peaked like a train
 
 
 def random_params(cfg: Qwen3Config, seed: int = 0, std: float = 0.02,
-                  head_scale: float = 1.0) -> dict[tuple[str, ...], np.ndarray]:
-    """{parameter path: float32 array} drawn with NumPy."""
+                  head_scale: float = 1.0) -> dict[tuple, np.ndarray]:
+    """{parameter path: float32 array} drawn with NumPy. Each kind of layer weight is drawn for all layers at once
+    and split per layer, so a seed gives the same weights as when layers were stored stacked."""
     rng = np.random.default_rng(seed)
+    sizes = cfg.axis_sizes()
     params = {}
-    for path, shape in param_shapes(cfg).items():
-        if path[-1] in NORM_PARAMS or path == ("norm", "weight"):
-            params[path] = np.ones(shape, np.float32)
+    for kind, axes in PARAM_AXES.items():
+        if kind == ("lm_head",) and cfg.tie_word_embeddings:
+            continue
+        shape = tuple(sizes[a] for a in axes)
+        layered = kind[0] == "layers"
+        if layered:
+            shape = (cfg.num_layers,) + shape
+        if kind[-1] in NORM_PARAMS or kind == ("norm", "weight"):
+            value = np.ones(shape, np.float32)
         else:
-            scale = std * (head_scale if path == ("lm_head",) else 1.0)
-            params[path] = rng.normal(0.0, scale, shape).astype(np.float32)
+            scale = std * (head_scale if kind == ("lm_head",) else 1.0)
+            value = rng.normal(0.0, scale, shape).astype(np.float32)
+        params |= {("layers", i, kind[1]): value[i] for i in range(cfg.num_layers)} if layered else {kind: value}
     return params
 
 
 def random_model(cfg: Qwen3Config = TINY, dtype=jnp.float32, seed: int = 0, head_scale: float = 1.0,
                  vocab_size: int | None = None):
     """A `Qwen3` of shape `cfg` (optionally with another vocabulary size) with `random_params` weights."""
-    from vase_jax.model import Qwen3
-
     if vocab_size is not None:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     return Qwen3.from_params(cfg, random_params(cfg, seed, head_scale=head_scale), dtype)

@@ -22,11 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from vase_jax.cache import CACHE_AXES, STATE_AXES
-from vase_jax.config import PARAM_AXES, Qwen3Config
+from vase_jax.config import Qwen3Config, param_axes
 
 MESH_AXES = ("data", "model")
 RULES: dict[str, str] = {"batch": "data", "q_heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
@@ -100,16 +102,26 @@ def check_mesh(cfg: Qwen3Config, mesh: Mesh, batch: int | None = None) -> None:
         raise ValueError(f"mesh data={data} does not divide the batch of {batch} rows")
 
 
-def param_specs(cfg: Qwen3Config, mesh: Mesh | None = None) -> dict[tuple[str, ...], PartitionSpec]:
-    """`PARAM_AXES` path -> PartitionSpec of every parameter of a `Qwen3(cfg)`."""
-    return {path: spec_for(axes, mesh) for path, axes in PARAM_AXES.items()
-            if not (path == ("lm_head",) and cfg.tie_word_embeddings)}
+def param_specs(cfg: Qwen3Config, mesh: Mesh | None = None) -> dict[tuple, PartitionSpec]:
+    """Parameter path (`config.param_axes`) -> PartitionSpec of every parameter of a `Qwen3(cfg)`."""
+    return {path: spec_for(axes, mesh) for path, axes in param_axes(cfg).items()}
 
 
-def param_shardings(cfg: Qwen3Config, mesh: Mesh) -> dict[tuple[str, ...], NamedSharding]:
-    """`PARAM_AXES` path -> NamedSharding of every parameter (after `check_mesh`)."""
+def param_shardings(cfg: Qwen3Config, mesh: Mesh) -> dict[tuple, NamedSharding]:
+    """Parameter path -> NamedSharding of every parameter (after `check_mesh`), on `auto_axes(mesh)`."""
     check_mesh(cfg, mesh)
+    mesh = auto_axes(mesh)
     return {path: NamedSharding(mesh, spec) for path, spec in param_specs(cfg, mesh).items()}
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis `Auto`. `jax.make_mesh` makes `Explicit` axes (current JAX's
+    default), under which every array's sharding is part of its type and `with_sharding_constraint` must agree with
+    it; the model and `generate` place arrays through sharding constraints and leave the rest to the SPMD
+    partitioner, so a mesh from `jax.make_mesh` runs exactly as one from `make_mesh`."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:
@@ -123,8 +135,6 @@ def put(x, sharding: NamedSharding) -> jax.Array:
 
 def shard_model(model, mesh: Mesh):
     """The model with every parameter placed by `param_shardings` (a copy; `generate` then runs on the mesh)."""
-    from flax import nnx
-
     shardings = param_shardings(model.cfg, mesh)
     graphdef, state = nnx.split(model)
     flat = [(path, var.replace(put(var[...], shardings[path]))) for path, var in nnx.to_flat_state(state)]
@@ -173,11 +183,9 @@ def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array
 
 
 def model_mesh(model) -> Mesh | None:
-    """The mesh the model's parameters are sharded over (None: single device / unsharded). All parameters must
-    share one mesh."""
-    from flax import nnx
-
-    meshes = {leaf.sharding.mesh for leaf in jax.tree.leaves(nnx.state(model))
+    """The mesh the model's parameters are sharded over, with `auto_axes` (None: single device / unsharded). All
+    parameters must share one mesh."""
+    meshes = {auto_axes(leaf.sharding.mesh) for leaf in jax.tree.leaves(nnx.state(model))
               if isinstance(getattr(leaf, "sharding", None), NamedSharding)}
     meshes = {m for m in meshes if math.prod(m.shape.values()) > 1}
     if len(meshes) > 1:
@@ -193,8 +201,6 @@ def local_kv_heads(num_local: int) -> tuple[jax.Array, int]:
     [i * num_local, (i + 1) * num_local). Random streams keyed by head index use this to draw the same numbers
     whatever the mesh.
     """
-    import jax.numpy as jnp
-
     mesh = jax.sharding.get_abstract_mesh()
     if "model" not in getattr(mesh, "manual_axes", ()):
         return jnp.arange(num_local, dtype=jnp.int32), num_local

@@ -1,9 +1,9 @@
 """Hugging Face Qwen3 checkpoints (safetensors, one file or sharded) -> `Qwen3` params, with no torch.
 Also orbax save/restore of converted params (`save_orbax`, and `load_params` on a converted folder).
 
-Every HF tensor maps to exactly one parameter (or one layer of a stacked one) through `hf_key_map`, with a shape
-check; a missing, unexpected or misshaped tensor raises `ValueError` naming it. The same table exports our
-parameters under HF names (`hf_state_dict`).
+Every HF tensor maps to exactly one parameter through `hf_key_map` (`model.layers.{i}.*` to layer i's own arrays,
+`("layers", i, name)`), with a shape check; a missing, unexpected or misshaped tensor raises `ValueError` naming
+it. The same table exports our parameters under HF names (`hf_state_dict`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 
 from vase_jax.config import Qwen3Config, param_shapes
+from vase_jax.sharding import param_shardings
 
 ORBAX_MARKER = "vase_jax_orbax.json"  # written by save_orbax next to config.json
-ORBAX_LAYOUT = "stacked-layers-v2"  # layer weights as [layers, ...] arrays, matrices [out, in]
+ORBAX_LAYOUT = "per-layer-v3"  # one array per layer and weight (paths ("layers", i, name)), matrices [out, in]
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                    "added_tokens.json", "generation_config.json")
 
@@ -33,10 +36,9 @@ Transform = Callable[[np.ndarray], np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """How one HF tensor maps to (a layer of) one of our parameters, in both directions."""
+    """How one HF tensor maps to one of our parameters, in both directions."""
 
-    path: tuple[str, ...]  # our parameter path (`vase_jax.model.PARAM_AXES`)
-    layer: int | None  # index into the leading `layers` axis, or None for an unstacked parameter
+    path: tuple  # our parameter path (`vase_jax.config.param_axes`)
     hf_shape: tuple[int, ...]
     to_ours: Transform  # HF array -> our layout
     to_hf: Transform  # our layout -> HF array
@@ -49,14 +51,14 @@ def hf_key_map(cfg: Qwen3Config) -> dict[str, Entry]:
     ident: Transform = lambda w: w  # noqa: E731
 
     table = {
-        "model.embed_tokens.weight": Entry(("embedding",), None, (v, e), ident, ident),
-        "model.norm.weight": Entry(("norm", "weight"), None, (e,), ident, ident),
+        "model.embed_tokens.weight": Entry(("embedding",), (v, e), ident, ident),
+        "model.norm.weight": Entry(("norm", "weight"), (e,), ident, ident),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = Entry(("lm_head",), None, (v, e), ident, ident)
+        table["lm_head.weight"] = Entry(("lm_head",), (v, e), ident, ident)
     heads_out = {n: ((lambda w, n=n: w.reshape(n, d, e)), (lambda w, n=n: w.reshape(n * d, e))) for n in {hq, hkv}}
     o_proj = (lambda w: w.reshape(e, hq, d)), (lambda w: w.reshape(e, hq * d))  # HF [e, hq*d] <-> [e, hq, d]
-    per_layer = {  # HF name within a layer -> (our stacked name, HF shape, to ours, to HF)
+    per_layer = {  # HF name within a layer -> (our name within a layer, HF shape, to ours, to HF)
         "input_layernorm.weight": ("input_norm", (e,), ident, ident),
         "post_attention_layernorm.weight": ("post_attn_norm", (e,), ident, ident),
         "self_attn.q_proj.weight": ("q_proj", (hq * d, e), *heads_out[hq]),
@@ -71,7 +73,7 @@ def hf_key_map(cfg: Qwen3Config) -> dict[str, Entry]:
     }
     for i in range(cfg.num_layers):
         for name, (ours, shape, to_ours, to_hf) in per_layer.items():
-            table[f"model.layers.{i}.{name}"] = Entry(("layers", ours), i, shape, to_ours, to_hf)
+            table[f"model.layers.{i}.{name}"] = Entry(("layers", i, ours), shape, to_ours, to_hf)
     return table
 
 
@@ -82,8 +84,6 @@ def resolve_checkpoint(path_or_hub_id: str, revision: str | None = None) -> Path
         return path
     if path.exists() or str(path_or_hub_id).startswith((".", "/", "~")) or str(path_or_hub_id).count("/") != 1:
         raise ValueError(f"model path {path_or_hub_id!r} is not a folder and not a hub id of the form 'org/name'")
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(str(path_or_hub_id), revision=revision,
                                   allow_patterns=["*.json", "*.safetensors", "merges.txt", "vocab.json"]))
 
@@ -107,8 +107,6 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def index_hf_tensors(folder: Path, cfg: Qwen3Config) -> dict[str, tuple[Path, Entry]]:
     """HF tensor name -> (its safetensors file, its `Entry`), from the files' headers only (no tensor is read):
     every tensor checked (no duplicate, unexpected, misshaped or missing one)."""
-    from safetensors import safe_open
-
     table = hf_key_map(cfg)
     found: dict[str, tuple[Path, Entry]] = {}
     seen: dict[str, str] = {}
@@ -135,50 +133,31 @@ def index_hf_tensors(folder: Path, cfg: Qwen3Config) -> dict[str, tuple[Path, En
 
 
 def read_hf_params(folder: Path, cfg: Qwen3Config, dtype=np.float32) -> dict[tuple, np.ndarray]:
-    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout and `dtype`},
-    layer tensors written into their slice of the stacked arrays as they are read."""
-    from safetensors import safe_open
-
+    """Read and map every tensor of a HF checkpoint folder -> {our param path: array in our layout and `dtype`}."""
     found = index_hf_tensors(folder, cfg)
     dtype = np.dtype(dtype)
-    params = {path: np.empty(shape, dtype) for path, shape in param_shapes(cfg).items()}
+    params = {}
     for file in sorted({f for f, _ in found.values()}):
         with safe_open(str(file), framework="numpy") as fh:
             for name, (_, entry) in ((n, v) for n, v in found.items() if v[0] == file):
-                target = params[entry.path]
-                array = entry.to_ours(fh.get_tensor(name)).astype(dtype)
-                if entry.layer is None:
-                    target[...] = array
-                else:
-                    target[entry.layer] = array
+                params[entry.path] = np.asarray(entry.to_ours(fh.get_tensor(name)), dtype)
     return params
 
 
 def read_hf_params_sharded(folder: Path, cfg: Qwen3Config, dtype, shardings: dict) -> dict[tuple, jax.Array]:
     """Like `read_hf_params`, but every parameter is a `jax.Array` placed with `shardings[path]` as it is read:
-    each device's shard is cut from the tensors it covers (one HF tensor, i.e. one layer of one weight, on the
-    host at a time), so no device and no host ever holds the whole model. With several processes each reads only
-    the shards of its own devices."""
-    from safetensors import safe_open
-
+    each device's shard is cut from its HF tensor (one on the host at a time), so no device and no host ever
+    holds the whole model. With several processes each reads only the shards of its own devices."""
     found = index_hf_tensors(folder, cfg)
     dtype = np.dtype(dtype)
-    sources: dict[tuple, dict] = {}
-    for name, (file, entry) in found.items():
-        sources.setdefault(entry.path, {})[entry.layer] = (file, name, entry)
+    sources = {entry.path: (file, name, entry) for name, (file, entry) in found.items()}
 
-    def read(source) -> np.ndarray:  # one HF tensor in our layout
-        file, name, entry = source
+    def shard(path: tuple, index: tuple) -> np.ndarray:
+        file, name, entry = sources[path]
         with safe_open(str(file), framework="numpy") as fh:
-            return entry.to_ours(fh.get_tensor(name))
+            return np.asarray(entry.to_ours(fh.get_tensor(name))[index], dtype)
 
-    def shard(path: tuple, shape: tuple, index: tuple) -> np.ndarray:
-        if path[0] != "layers":
-            return np.asarray(read(sources[path][None])[index], dtype)
-        layers = range(*index[0].indices(shape[0]))
-        return np.stack([np.asarray(read(sources[path][i])[index[1:]], dtype) for i in layers])
-
-    return {path: jax.make_array_from_callback(shape, shardings[path], functools.partial(shard, path, shape))
+    return {path: jax.make_array_from_callback(shape, shardings[path], functools.partial(shard, path))
             for path, shape in param_shapes(cfg).items()}
 
 
@@ -186,8 +165,7 @@ def hf_state_dict(params: dict[tuple, np.ndarray], cfg: Qwen3Config) -> dict[str
     """Our parameters ({path: array}, e.g. `flat_params(model)`) under HF names and layouts (float32)."""
     out = {}
     for name, entry in hf_key_map(cfg).items():
-        array = np.asarray(params[entry.path], np.float32)
-        out[name] = entry.to_hf(array if entry.layer is None else array[entry.layer])
+        out[name] = entry.to_hf(np.asarray(params[entry.path], np.float32))
     if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -210,8 +188,6 @@ def load_params(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None
     cfg = Qwen3Config.from_json_file(config_file)
     shardings = None
     if mesh is not None:
-        from vase_jax.sharding import param_shardings
-
         shardings = param_shardings(cfg, mesh)
     if (folder / ORBAX_MARKER).exists():
         return cfg, restore_orbax(folder, cfg, dtype, shardings)
@@ -223,7 +199,7 @@ def load_params(path_or_hub_id: str, *, dtype=jnp.bfloat16, revision: str | None
 # ---- orbax --------------------------------------------------------------------------------------------------------
 def save_orbax(model, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None) -> Path:
     """Write a `Qwen3`'s params with orbax to `out_dir/params`, plus config.json (and tokenizer files from `source`)."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (2.7 s to import; only converted folders need it)
 
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +222,7 @@ def save_orbax(model, out_dir: str | os.PathLike, *, source: str | os.PathLike |
 def restore_orbax(folder: Path, cfg: Qwen3Config, dtype, shardings: dict | None = None) -> dict[tuple, jax.Array]:
     """{parameter path: array} restored from a `save_orbax` folder, in `dtype`; with `shardings` ({path:
     sharding}) orbax reads each array straight into its shards."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (2.7 s to import; only converted folders need it)
 
     with open(folder / ORBAX_MARKER) as fh:
         layout = json.load(fh).get("layout")

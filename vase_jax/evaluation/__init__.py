@@ -5,15 +5,13 @@ graded samples (resumable), `report` writes summary.json, summary.md and the plo
 """
 
 from vase_jax.evaluation.config import RESULT_FIELDS, EvalConfig, check_resume, resolve, write_config
-from vase_jax.evaluation.records import RecordStore, record_key
+from vase_jax.evaluation.records import RecordStore, make_record, problem_key, record_key, stable_id
 from vase_jax.evaluation.report import markdown, summarize, write_summary
 from vase_jax.evaluation.runner import (
     load_model,
     load_tokenizer,
     plan,
-    problem_key,
     run,
-    stable_id,
     wanted_keys,
 )
 
@@ -24,6 +22,7 @@ __all__ = [
     "check_resume",
     "load_model",
     "load_tokenizer",
+    "make_record",
     "markdown",
     "plan",
     "problem_key",

@@ -15,10 +15,13 @@ import json
 import os
 from pathlib import Path
 
+from vase_jax.eviction import METHODS
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig
 from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
+from vase_jax.tasks.livecodebench import packaged_prompts
+from vase_jax.weights import ORBAX_MARKER
 
 RANDOM_PREFIX = "random:"
 DTYPES = ("bfloat16", "float32")
@@ -119,8 +122,6 @@ def data_sha256(task: Task, data: str | None) -> str:
                 h.update(block)
         return h.hexdigest()
     if task.grader == "code":
-        from vase_jax.tasks.livecodebench import packaged_prompts
-
         return hashlib.sha256(packaged_prompts().read_bytes()).hexdigest()
     res = importlib.resources.files("vase_jax").joinpath("data", "tasks", task.data_dir, "test.jsonl")
     return hashlib.sha256(res.read_bytes()).hexdigest()
@@ -132,8 +133,6 @@ def check_model(model: str) -> str:
     A local folder needs config.json and weights (*.safetensors, a safetensors index, or an orbax `params`
     folder). Anything else must look like a hub id 'org/name' (downloaded later).
     """
-    from vase_jax.weights import ORBAX_MARKER
-
     if model.startswith(RANDOM_PREFIX):
         name = model[len(RANDOM_PREFIX):]
         if name not in RANDOM_MODELS:
@@ -169,8 +168,6 @@ def resolve(
     t = get_task(task)
     if not methods:
         raise ValueError("--methods is empty; pass a comma list such as full,vase_attnv")
-    from vase_jax.eviction import METHODS
-
     for m in methods:
         if m not in METHODS and m != "full":
             raise ValueError(f"--methods: {m!r} is not a known method; known: full, {', '.join(sorted(METHODS))}")

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import vase_jax as vj
+from vase_jax import batching
 from vase_jax.evaluation.config import EvalConfig
-from vase_jax.evaluation.records import RecordStore
+from vase_jax.evaluation.records import RecordStore, make_record, problem_key
 from vase_jax.tasks import Problem, get_task
 
 
 def run_continuous(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: RecordStore,
                    progress: Callable[[list[dict], str | None], None] | None = None) -> int:
     """`runner.run` with the continuous scheduler. Returns the samples generated."""
-    import vase_jax as vj
-    from vase_jax import batching
-    from vase_jax.evaluation.runner import make_record, problem_key
-
     task = get_task(cfg.task)
     by_id = {p.id: p for p in problems}
     prompts: dict[str, tuple[int, ...]] = {}

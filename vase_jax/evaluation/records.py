@@ -1,4 +1,6 @@
-"""`RecordStore`: the append-only JSONL file of graded samples that makes a run resumable.
+"""`RecordStore`, the append-only JSONL file of graded samples that makes a run resumable, and what makes a
+record: its problem's key (`problem_key`) and the record of a generated sample (`make_record`), the same under
+every scheduler.
 
 One JSON object per line, one line per generated sample. A batch's lines go out in one `write`, then `flush`
 and `fsync`, so that a killed run loses at most the batch in flight. On open, an incomplete or unparsable
@@ -8,11 +10,18 @@ anywhere else is an error, never skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import jax
+import numpy as np
+
+from vase_jax.evaluation.config import EvalConfig
+from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
 
 KEY_FIELDS = ("problem_id", "sample", "method", "budget")
 Key = tuple[str, int, str, int | None]  # (problem id, sample index, method, budget or None for full)
@@ -102,4 +111,43 @@ def _parse(line: bytes) -> dict | None:
         record_key(rec)
     except (TypeError, ValueError):
         return None
+    return rec
+
+
+def stable_id(task: str, problem_id: str) -> int:
+    """A 31-bit integer of (task, problem id) that is the same on every machine and Python run."""
+    digest = hashlib.sha256(f"{task}/{problem_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
+    """The PRNG key of one problem; its samples are the row streams 0..R-1 of `generate`."""
+    return jax.random.fold_in(jax.random.key(seed), stable_id(task, problem_id))
+
+
+
+
+def make_record(tokenizer, cfg: EvalConfig, problem: Problem, sample: int, method: str, budget: int | None,
+                prompt_len: int, tokens: np.ndarray, ended_by_token: bool, evictions: int, seconds: float) -> dict:
+    """Cut a sample's tokens at its exact cap, grade them: its record (the same under every scheduler)."""
+    task = get_task(cfg.task)
+    cap = cfg.token_limits(prompt_len)[1]
+    n = len(tokens)
+    done = ended_by_token and n <= cap  # an end token beyond the exact cap does not count
+    n = min(n, cap)
+    text = tokenizer.decode(np.asarray(tokens[:n]).tolist(), skip_special_tokens=True)
+    if task.grader == "code":  # run the code on the tests in the sandbox; keep the verdict's reason
+        verdict = livecodebench.grade(problem, text)
+        correct, why = verdict.passed, {"reason": verdict.reason}
+    else:
+        correct, why = bool(grade(text, problem)), {}
+    rec = {
+        "task": cfg.task, "problem_id": problem.id, "sample": sample, "method": method,
+        "budget": budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
+        "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
+        "gold": problem.answer, "correct": correct, **why,
+        "evictions": evictions, "seconds": round(seconds, 4),
+    }
+    if cfg.save_text:
+        rec["text"] = text
     return rec

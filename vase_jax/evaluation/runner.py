@@ -20,49 +20,33 @@ Code tasks (livecodebench) are graded by running each sample's code on the probl
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+import vase_jax as vj
 from vase_jax import distributed
 from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
-from vase_jax.evaluation.records import Key, RecordStore
-from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
-
-
-def stable_id(task: str, problem_id: str) -> int:
-    """A 31-bit integer of (task, problem id) that is the same on every machine and Python run."""
-    digest = hashlib.sha256(f"{task}/{problem_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
-    """The PRNG key of one problem; its samples are the row streams 0..R-1 of `generate`."""
-    return jax.random.fold_in(jax.random.key(seed), stable_id(task, problem_id))
+from vase_jax.evaluation.continuous import run_continuous
+from vase_jax.evaluation.records import Key, RecordStore, make_record, problem_key
+from vase_jax.random_model import HEAD_SCALE, random_model
+from vase_jax.sharding import shard_model
+from vase_jax.tasks import Problem, get_task
 
 
 def load_model(model: str, dtype: str, mesh=None):
     """`Qwen3.from_pretrained(model)`, or for "random:<name>" a random Qwen3 (`vase_jax.random_model`, seed 0,
     output head scaled by `HEAD_SCALE` so that its next-token distribution is peaked like a trained model's and
     top-p keeps few tokens). `mesh`: sharded over it (`vase_jax.sharding`), so that `generate` runs on it."""
-    import vase_jax as vj
-
     if not model.startswith(RANDOM_PREFIX):
         return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype), mesh=mesh)
-    from vase_jax.random_model import HEAD_SCALE, random_model
-    from vase_jax.sharding import shard_model
-
     built = random_model(RANDOM_MODELS[model[len(RANDOM_PREFIX):]], getattr(jnp, dtype), head_scale=HEAD_SCALE)
     return built if mesh is None else shard_model(built, mesh)
 
 
 def load_tokenizer(model: str):
-    import vase_jax as vj
-
     return vj.load_tokenizer(None if model.startswith(RANDOM_PREFIX) else model)
 
 
@@ -92,8 +76,6 @@ def wanted_keys(cfg: EvalConfig, problems: list[Problem]) -> list[Key]:
 
 def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[dict]:
     """Generate the rows of `chunk`, cut each at the exact cap, grade; one record per sample."""
-    import vase_jax as vj
-
     prompt_len = int(prompt.lengths[0])
     gen_tokens, cap = cfg.token_limits(prompt_len)  # the bucket's program, the prompt's exact cap
     row_ids = np.array(chunk.samples + (chunk.samples[-1],) * (cfg.rows - len(chunk.samples)), np.int32)
@@ -115,32 +97,6 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
     return records
 
 
-def make_record(tokenizer, cfg: EvalConfig, problem: Problem, sample: int, method: str, budget: int | None,
-                prompt_len: int, tokens: np.ndarray, ended_by_token: bool, evictions: int, seconds: float) -> dict:
-    """Cut a sample's tokens at its exact cap, grade them: its record (the same under every scheduler)."""
-    task = get_task(cfg.task)
-    cap = cfg.token_limits(prompt_len)[1]
-    n = len(tokens)
-    done = ended_by_token and n <= cap  # an end token beyond the exact cap does not count
-    n = min(n, cap)
-    text = tokenizer.decode(np.asarray(tokens[:n]).tolist(), skip_special_tokens=True)
-    if task.grader == "code":  # run the code on the tests in the sandbox; keep the verdict's reason
-        verdict = livecodebench.grade(problem, text)
-        correct, why = verdict.passed, {"reason": verdict.reason}
-    else:
-        correct, why = bool(grade(text, problem)), {}
-    rec = {
-        "task": cfg.task, "problem_id": problem.id, "sample": sample, "method": method,
-        "budget": budget, "seed": cfg.seed, "prompt_tokens": prompt_len, "tokens": n,
-        "max_tokens": cap, "finished": done, "truncated": not done, "answer": extract_answer(text, task),
-        "gold": problem.answer, "correct": correct, **why,
-        "evictions": evictions, "seconds": round(seconds, 4),
-    }
-    if cfg.save_text:
-        rec["text"] = text
-    return rec
-
-
 def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: RecordStore,
         progress: Callable[[list[dict], str | None], None] | None = None) -> int:
     """Generate every wanted sample that lacks a record, appending each record to `store` as soon as it exists.
@@ -153,11 +109,7 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
     Several processes (`vase_jax.distributed`): all run every generate call together; what is done is the
     writer's store, and only the writer appends records.
     """
-    import vase_jax as vj
-
     if cfg.scheduler == "continuous":
-        from vase_jax.evaluation.continuous import run_continuous
-
         return run_continuous(model, tokenizer, cfg, problems, store, progress)
 
     task = get_task(cfg.task)

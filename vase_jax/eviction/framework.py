@@ -33,6 +33,7 @@ from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs, SlotState
 from vase_jax.sampling import fold_rows, typed_key
+from vase_jax.sharding import cache_specs
 
 CAPACITY_ALIGN = DEFAULT_BLOCK_SIZE
 
@@ -170,8 +171,6 @@ def evict_per_device(cache: KVCache, eviction: EvictionConfig, key: jax.Array, r
     is split like the rows) and global kv-head index (`sharding.local_kv_heads`), so every mesh evicts exactly what
     one device does. Without a mesh: `evict`.
     """
-    from vase_jax.sharding import cache_specs
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.manual_axes:
         return evict(cache, eviction, key, row_ids, attention_impl)
@@ -194,6 +193,8 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
 
     A `fori_loop` over layers with the stacked cache in its carry: each iteration reads one layer, selects,
     compacts it and writes it back in place, so the event holds one layer's candidates and scores at a time.
+    With no row to evict the loop runs zero times: a caller may call this at every point where an event may be
+    due, with no conditional around it (XLA:GPU copies the whole cache into and out of a conditional's branches).
     """
     budget, buffer = eviction.budget, eviction.buffer
     rows = rows_to_evict(cache, eviction) if rows is None else rows
@@ -223,6 +224,8 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
         state = {name: update(x, 0.0) for name, x in c.state.items()}
         return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
 
-    cache = jax.lax.fori_loop(0, cache.num_layers, one_layer, cache)
+    layers = jnp.where(jnp.any(rows), cache.num_layers, 0)  # no row due: nothing to do
+    with jax.named_scope("eviction"):
+        cache = jax.lax.fori_loop(0, layers, one_layer, cache)
     return cache.replace(length=jnp.where(rows, budget, cache.length), seen=jnp.where(rows, budget, cache.seen),
                          evictions=cache.evictions + rows.astype(jnp.int32))

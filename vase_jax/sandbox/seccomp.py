@@ -62,7 +62,7 @@ def build_filter() -> tuple[bytes, tuple[str, ...]]:
     Raises SeccompUnavailable when `pyseccomp` or the libseccomp shared library cannot be loaded.
     """
     try:
-        import pyseccomp
+        import pyseccomp  # noqa: PLC0415 (optional: its absence is reported and the weaker mode named)
     except (ImportError, RuntimeError, OSError) as e:
         raise SeccompUnavailable(f"pyseccomp / libseccomp cannot be loaded ({e}); `pip install pyseccomp` and the "
                                  "libseccomp2 shared library (Debian/Ubuntu: libseccomp2) are needed") from None

@@ -1,4 +1,5 @@
-"""The stacked model: one layer function run scanned or unrolled, the stacked cache, eviction layer by layer."""
+"""Per-layer weights run by either layer loop (unrolled or switched), the stacked cache, eviction layer by layer,
+and what CPU stores as bits."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_utils import per_step_converts
 
 import vase_jax as vj
 from vase_jax import weights
-from vase_jax.cache import CACHE_AXES, cache_shapes
-from vase_jax.config import PARAM_AXES, param_shapes
+from vase_jax.cache import CACHE_AXES, cache_shapes, init_cache
+from vase_jax.config import PARAM_AXES, param_kind, param_shapes
+from vase_jax.eviction import framework
 from vase_jax.generate import lower_generate
+from vase_jax.model import prompt_positions
 from vase_jax.random_model import TINY, random_model
+from vase_jax.target import LAYER_LOOPS, Target
 
 N, B = 64, 16
 
@@ -25,35 +30,36 @@ def peaked(tmp_path_factory):
     """The tiny HF checkpoint with peaked next-token distributions (init std 0.1): greedy has no near-ties."""
     from conftest import save_tiny_checkpoint
 
-    folder, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("peaked_stacked"), seed=11, init_std=0.1)
+    folder, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("peaked_layers"), seed=11, init_std=0.1)
     return vj.Qwen3.from_pretrained(str(folder), dtype=jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "snapkv", "vase_attnv", "vase_dkv"])
 @pytest.mark.parametrize("temperature", [0.0, 0.6])
 def test_every_layer_loop_gives_identical_tokens(peaked, prompt_batch, method, temperature):
     ev = vj.EvictionConfig(method, budget=N, buffer=B)
     outs = {}
-    for loop in ("scan", "unroll", "switch"):
+    for loop in LAYER_LOOPS:
         cfg = vj.GenerateConfig(max_new_tokens=96, temperature=temperature, layer_loop=loop, eos_token_ids=())
         outs[loop] = vj.generate(peaked, prompt_batch.input_ids, prompt_batch.attention_mask,
                                  key=jax.random.key(3), config=cfg, eviction=ev)
-    for loop in ("unroll", "switch"):
-        np.testing.assert_array_equal(np.asarray(outs["scan"].tokens), np.asarray(outs[loop].tokens))
-        assert int(outs[loop].evictions) == int(outs["scan"].evictions)
-    events = int(outs["scan"].evictions)
+    np.testing.assert_array_equal(np.asarray(outs["unroll"].tokens), np.asarray(outs["switch"].tokens))
+    assert int(outs["unroll"].evictions) == int(outs["switch"].evictions)
+    events = int(outs["unroll"].evictions)
     assert events == 0 if method == "full" else events >= 2  # the comparison covers eviction events
 
 
-def test_parameters_and_cache_are_stacked_with_named_axes(peaked):
+@pytest.mark.slow
+def test_parameters_are_per_layer_and_the_cache_stacked_with_named_axes(peaked):
     cfg = peaked.cfg
     flat = weights.flat_params(peaked)
     assert {p: tuple(x.shape) for p, x in flat.items()} == param_shapes(cfg)
-    for path, axes in PARAM_AXES.items():
-        if path in flat:
-            assert len(axes) == flat[path].ndim
-            if path[0] == "layers":
-                assert axes[0] == "layers" and flat[path].shape[0] == cfg.num_layers
+    assert {p[1] for p in flat if p[0] == "layers"} == set(range(cfg.num_layers))  # one array per layer and kind
+    for path, x in flat.items():
+        assert len(PARAM_AXES[param_kind(path)]) == x.ndim
+    layer_buffers = [x for p, x in flat.items() if p[0] == "layers"]
+    assert len({x.unsafe_buffer_pointer() for x in layer_buffers}) == len(layer_buffers)  # no shared storage
     out = vj.generate(peaked, np.ones((3, 5), np.int32), np.ones((3, 5), np.int32), key=jax.random.key(0),
                       config=vj.GenerateConfig(max_new_tokens=4, return_cache=True),
                       eviction=vj.EvictionConfig("snapkv", budget=N, buffer=B))
@@ -74,6 +80,7 @@ def test_hf_export_inverts_loading(tiny_tied):
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_eviction_adds_at_most_one_layer_of_temporaries(dtype):
     """`Compiled.memory_analysis()` of generate: an evicting method at the same cache capacity as `full` needs at
@@ -108,13 +115,13 @@ def test_eviction_adds_at_most_one_layer_of_temporaries(dtype):
         assert extra < cache / 2, method  # all layers' temporaries at once would be a multiple of this
 
 
-@pytest.mark.parametrize("layer_loop", ["switch", "scan"])
+@pytest.mark.slow
+@pytest.mark.parametrize("layer_loop", LAYER_LOOPS)
 def test_bf16_generate_holds_no_copy_of_the_embedding_table(layer_loop):
-    """`Compiled.memory_analysis()` of a bf16 `generate` on the real vocabulary: the temporaries are the cache,
-    at most one copy of the layers' matmul weights (switched: sliced into per-layer buffers once per call) and
-    activations. No copy of the embedding table (19 MB here, the largest weight): XLA's loop-invariant code
-    motion would hoist the decode step's gather conversion out of the loop and materialize it, so `generate`
-    compiles with that pass off on CPU (`vase_jax.jit`); with it on, this program holds 25.0 MB, not 5.5."""
+    """`Compiled.memory_analysis()` of a bf16 `generate` on the real vocabulary: the temporaries are the cache and
+    activations, no copy of any weight. In particular no copy of the embedding table (19 MB here, the largest
+    weight): XLA's loop-invariant code motion would hoist the decode step's uint16 view of the table out of the
+    loop and materialize it, so `generate` compiles with that pass off on CPU (`vase_jax.target`)."""
     cfg = dataclasses.replace(TINY, num_layers=4)
     model = random_model(cfg, jnp.bfloat16)
     ids = jnp.ones((2, 64), jnp.int32)
@@ -123,40 +130,39 @@ def test_bf16_generate_holds_no_copy_of_the_embedding_table(layer_loop):
     temp = compiled.memory_analysis().temp_size_in_bytes
     flat = weights.flat_params(model)
     table = flat[("embedding",)].nbytes
-    layer_weights = sum(x.nbytes for path, x in flat.items() if path[0] == "layers")
+    one_layer = sum(x.nbytes for path, x in flat.items() if path[:2] == ("layers", 0))
     cache = cfg.num_layers * 2 * cfg.num_kv_heads * 128 * (2 * cfg.head_dim * 2 + 4)  # 64 + 64 slots
     activations = 8 * 2 * cfg.vocab_size * 4  # several float32 [batch, vocab] logits and sampling arrays
-    print(f"temporaries {temp} B: cache {cache}, layer weights {layer_weights}, table {table}")
-    assert temp <= cache + layer_weights + activations < table
+    print(f"temporaries {temp} B: cache {cache}, activations {activations}, one layer {one_layer}, table {table}")
+    assert temp <= cache + activations + one_layer < table
 
 
 # ---- 16-bit caches are stored as bits on CPU ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
-    """On CPU a bf16 cache is stored as uint16 bits (`cache.stores_bits`): prefill, decode steps and an eviction
-    give bit-identical logits and cache contents to a cache stored as bf16."""
-    from vase_jax.cache import init_cache, stores_bits
-    from vase_jax.eviction import framework
-    from vase_jax.model import prompt_positions
-
-    model = random_model(TINY, jnp.bfloat16)
-    assert stores_bits(jnp.bfloat16) and not stores_bits(jnp.float32)
+    """On CPU a bf16 cache is stored as uint16 bits (`Target.cache_storage`): prefill, decode steps and an eviction
+    give bit-identical logits and cache contents to a cache stored as bf16 (as GPUs and TPUs store it)."""
+    model = random_model(TINY, jnp.bfloat16, vocab_size=4096)
+    cpu, gpu = Target.make("cpu"), Target.make("cuda")
+    assert cpu.cache_storage(jnp.bfloat16) == jnp.uint16 and cpu.cache_storage(jnp.float32) == jnp.float32
+    assert gpu.cache_storage(jnp.bfloat16) == jnp.bfloat16
     ev = vj.EvictionConfig("vase_attnv", budget=32, buffer=8)
-    ids = jax.random.randint(jax.random.key(0), (2, 24), 0, TINY.vocab_size)
+    ids = jax.random.randint(jax.random.key(0), (2, 24), 0, model.cfg.vocab_size)
     mask = jnp.ones_like(ids).at[1, :5].set(0)
 
+    def steps(carry, _):  # one greedy decode step
+        cache, token = carry
+        logits, cache = model.forward(token[:, None], cache.row_pos[:, None], cache)
+        return (cache, jnp.argmax(logits[:, 0], -1)), logits[:, 0]
+
     @functools.partial(jax.jit, static_argnums=0)
-    def run(bits_cache):
-        cache = init_cache(model.cfg, 2, 64, ev.buffer, jnp.bfloat16, bits=bits_cache)
+    def run(bits_cache):  # prefill, 16 decode steps, an eviction, 4 more steps
+        cache = init_cache(model.cfg, 2, 64, ev.buffer, jnp.bfloat16, target=cpu if bits_cache else gpu)
         logits, cache = model.forward(ids, prompt_positions(mask), cache, attention_mask=mask)
-        all_logits = [logits[:, -1]]
-        token = jnp.argmax(logits[:, -1], -1)
-        for step in range(20):
-            logits, cache = model.forward(token[:, None], cache.row_pos[:, None], cache)
-            all_logits.append(logits[:, 0])
-            token = jnp.argmax(logits[:, 0], -1)
-            if step == 15:
-                cache = framework.evict(cache, ev, jax.random.key(1), jnp.arange(2), rows=jnp.ones((2,), bool))
-        return jnp.stack(all_logits), cache
+        (cache, token), before = jax.lax.scan(steps, (cache, jnp.argmax(logits[:, -1], -1)), length=16)
+        cache = framework.evict(cache, ev, jax.random.key(1), jnp.arange(2), rows=jnp.ones((2,), bool))
+        (cache, _), after = jax.lax.scan(steps, (cache, token), length=4)
+        return jnp.concatenate([logits[:, -1][None], before, after]), cache
 
     logits_bits, cache_bits = run(True)
     logits_floats, cache_floats = run(False)
@@ -170,15 +176,12 @@ def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
     np.testing.assert_array_equal(np.asarray(cache_bits.pos), np.asarray(cache_floats.pos))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "vase_attnv", "h2o"])
 def test_bf16_decode_step_converts_no_cache_sized_array(method):
     """XLA:CPU converts the whole operand of a bf16 dynamic-update-slice to float32 and back; with the cache kept as
     bits no decode step converts a cache-sized array (every layer's write used to rewrite the stacked cache)."""
-    from hlo_utils import per_step_converts
-
-    from vase_jax.eviction import framework
-
-    model = random_model(TINY, jnp.bfloat16)
+    model = random_model(TINY, jnp.bfloat16, vocab_size=4096)
     ids = jnp.ones((2, 64), jnp.int32)
     cfg = vj.GenerateConfig(max_new_tokens=200)
     ev = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=128, buffer=32)

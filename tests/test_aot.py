@@ -1,0 +1,102 @@
+"""`generate` compiled deviceless for an NVIDIA H200 (XLA:GPU, Triton kernels) and a TPU v5p (XLA:TPU, Mosaic
+kernels) on this host (`vase_jax.aot`): the program each device would run, checked on the compiler's own output.
+
+Qwen3-8B's shape with 4 layers, bf16, batch 16, a 128-token prompt, 4096 new tokens, `full` and the paper's
+budget 2048 for `vase_dkv` and `vase_attnv`. For each: no instruction slices or copies a layer weight, nothing
+copies the embedding table, the cache is held once (no copy of it, in the decode loop or around it), and the
+temporaries are at most the cache plus one layer's weights, plus 10%. Beyond the cache, the temporaries are the
+prefill's activations, which grow with batch x prompt tokens (the dense prefill attention's scores with batch x
+prompt^2): at 256 prompt tokens XLA:TPU's are 0.7 GiB, over one layer's weights (docs/BENCHMARKS.md).
+
+Marked `aot`; they need the target's JAX plugin (`pip install "jax[cuda13]==<jax>"` / `"jax[tpu]==<jax>"`) and skip
+cleanly without it. `.ci/run` installs each plugin in a venv of its own and runs `pytest -m aot` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import vase_jax as vj
+from vase_jax import aot
+from vase_jax.bench import named_configs
+
+pytestmark = [pytest.mark.aot,
+              pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
+
+CFG = dataclasses.replace(named_configs()["qwen3-8b"], num_layers=4)
+METHODS = {"full": vj.EvictionConfig("full"),
+           "vase_dkv": vj.EvictionConfig("vase_dkv", budget=2048, buffer=64),
+           "vase_attnv": vj.EvictionConfig("vase_attnv", budget=2048, buffer=64)}
+
+
+@functools.cache
+def _report(target: str, method: str) -> aot.ProgramReport:
+    reason = aot.missing(target)
+    if reason:
+        pytest.skip(reason)
+    _, report = aot.compile_generate(target, CFG, batch=16, eviction=METHODS[method], prompt_len=128,
+                                     max_new_tokens=4096)
+    print(f"{target} {method}: temporaries {report.temporaries / 2**30:.3f} GiB, cache {report.cache / 2**30:.3f} "
+          f"GiB, one layer {report.one_layer / 2**30:.3f} GiB, compiled in {report.compile_s:.0f} s")
+    return report
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("target", sorted(aot.TARGETS))
+def test_device_program_reads_weights_in_place_and_holds_the_cache_once(target, method):
+    report = _report(target, method)
+    assert report.device_kind == ("NVIDIA H200" if target == "h200" else "TPU v5")
+    assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
+    assert report.embedding_copies == (), "\n".join(report.embedding_copies[:5])
+    assert report.cache_copies == (), "\n".join(report.cache_copies[:5])
+    assert report.temporaries <= 1.1 * (report.cache + report.one_layer)
+    assert report.arguments >= report.weights  # the weights are arguments, read where they are
+
+
+def test_the_checks_see_copies():
+    """The report's detectors, on a program that copies a slice of a stacked weight and a whole cache-like array."""
+    hlo = """HloModule m
+
+%fused_slice (param_0: bf16[4,64,32], param_1: s32[]) -> bf16[1,64,32] {
+  %param_0 = bf16[4,64,32]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %dynamic-slice.1 = bf16[1,64,32]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,64,32}
+}
+
+ENTRY %main (w: bf16[4,64,32], k: bf16[2,8,128]) -> bf16[2,8,128] {
+  %w = bf16[4,64,32]{2,1,0} parameter(0)
+  %k = bf16[2,8,128]{2,1,0} parameter(1)
+  %i = s32[] constant(1)
+  %f = bf16[1,64,32]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  ROOT %copy.3 = bf16[2,8,128]{2,1,0} copy(%k)
+}
+"""
+    assert len(aot.copying_reads(hlo, {(4, 64, 32)})) == 1
+    assert len(aot.copies_of(hlo, {(2, 8, 128)})) == 1
+    assert aot.copying_reads(hlo, {(2, 64, 32)}) == []
+
+
+@pytest.mark.parametrize("target", sorted(aot.TARGETS))
+def test_plan_script_plans_with_the_targets_compiler(target):
+    """`scripts/plan.py --target` compiles on the target's topology (two devices, rows split over them): the
+    temporaries are that compiler's, and hold the cache."""
+    reason = aot.missing(target)
+    if reason:
+        pytest.skip(reason)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "scripts/plan.py", "--model", "small", "--target", target, "--mesh",
+                           "data=2,model=1", "--batch", "2", "--budget", "256", "--prompt", "64",
+                           "--max-new-tokens", "1024", "--json"], cwd=root, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    per_device = out["per_device_bytes"]
+    assert out["target"] == target and per_device["temporaries"] >= per_device["cache"] > 0
