@@ -31,8 +31,8 @@ import vase_jax as vj
 from vase_jax import bench as vb
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import LAYER_LOOPS, lower_generate, query_window, resolve_layer_loop
-from vase_jax.jit import compiler_options
+from vase_jax.generate import LAYER_LOOPS, generate_target, lower_generate, query_window
+from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
 
 HOW = {
     "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")
+    a("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache (default "
+      "$VASE_JAX_COMPILATION_CACHE or ~/.cache/vase-jax/xla); off with --compile-only, whose figures are compiles")
+    a("--no-compile-cache", action="store_true", help="compile every program anew")
     return p.parse_args(argv)
 
 
@@ -183,6 +186,7 @@ class Bench:
 
     def __post_init__(self):
         self.graphdef, self.state = nnx.split(self.model)
+        self.target = generate_target(self.model, self.generate_config(1))  # as generate picks it
 
     @property
     def batch(self) -> int:
@@ -196,13 +200,13 @@ class Bench:
         key = ("step", capacity, window, length, state)
         if key not in self.memo:
             cfg, dtype = self.model.cfg, self.model.dtype
-            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed, state)]
+            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed, state,
+                                   self.target)]
             token = jnp.zeros((self.batch,), jnp.int32)
-            per_layer = self.model.per_layer_matrices(resolve_layer_loop(self.args.layer_loop))  # as generate
 
             def call():
                 box[0], tok = vb.decode_steps(self.graphdef, self.state, box[0], token, jnp.int32(length),
-                                              steps, self.args.attention_impl, self.args.layer_loop, per_layer)
+                                              steps, self.args.attention_impl, self.target)
                 return tok
 
             self.memo[key] = vb.time_runs(call, self.args.repeats, 1).map(lambda s: s / steps * 1e3)
@@ -215,7 +219,7 @@ class Bench:
             cfg, dtype = self.model.cfg, self.model.dtype
             full = ev.budget + ev.buffer
             box = [vb.filled_cache(cfg, self.batch, capacity, full, query_window(ev), dtype, self.args.seed,
-                                   framework.slot_state(ev))]
+                                   framework.slot_state(ev), self.target)]
             rkey, rows = jax.random.key(self.args.seed), jnp.arange(self.batch, dtype=jnp.int32)
 
             def call():
@@ -261,7 +265,7 @@ class Bench:
         # generate gets the unpadded prompt and pads it to the bucket itself (which sets its cache capacity)
         raw_ids, raw_mask = self.ids[:, t - args.prompt_len:], self.mask[:, t - args.prompt_len:]
         start = time.perf_counter()
-        jitted = jax.jit(generate, compiler_options=compiler_options())  # as `generate` compiles itself
+        jitted = jax.jit(generate, compiler_options=self.target.compiler_options())  # as `generate` compiles
         compiled = jitted.lower(self.state, raw_ids, raw_mask, key).compile()
         compile_s = time.perf_counter() - start
         mem = compiled.memory_analysis()
@@ -276,7 +280,8 @@ class Bench:
         total = vb.time_runs(call, args.repeats, args.warmup)
         out = last.pop("out")
         state = framework.slot_state(ev)
-        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window, args.attention_impl, state)
+        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window, args.attention_impl, state,
+                  self.target)
         prefill = vb.time_runs(lambda: vb.prefill(*inputs), args.repeats, 1)
         cache0 = vb.prefill(*inputs)[1]
         sched = vb.cache_schedule(ev, args.prompt_len, n)
@@ -528,6 +533,11 @@ def device_desc() -> str:
     return f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
 
 
+def layer_loop_of(args, model) -> str:
+    """The layer loop `generate` runs with --layer-loop on the model's platform."""
+    return generate_target(model, vj.GenerateConfig(layer_loop=args.layer_loop)).layer_loop
+
+
 def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
     """--compile-only: one line per configuration, and results.json / results.md under --out."""
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
@@ -536,7 +546,7 @@ def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], 
     rows = [bench.compile_only(ev, args.output_lens[0]) for ev in configs]
     layer = model.cfg.num_layers
     lines = [f"Compile of generate: {model_desc}, {jnp.dtype(model.dtype).name}, batch {args.batch}, prompt "
-             f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {resolve_layer_loop(args.layer_loop)}; "
+             f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {layer_loop_of(args, model)}; "
              f"device {device_desc()}, host CPU {vb.cpu_model()}, jax {jax.__version__}, load {load_start[0]:.2f} -> "
              f"{os.getloadavg()[0]:.2f}",
              "", "| method | budget | capacity | compile s (lower s) | HLO lines | temporaries MiB |",
@@ -674,12 +684,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
 
+    if not (args.no_compile_cache or args.compile_only):  # compile_s is then a compile or a cache load
+        enable_compilation_cache(args.compile_cache)
     load_start = os.getloadavg()
     warning = vb.load_warning(load_start[0])
     if warning:
         print(f"bench.py: warning: {warning}", file=sys.stderr, flush=True)
     print(f"device {device_desc()}, host CPU {vb.cpu_model()}, load {load_start[0]:.2f}; layer loop "
-          f"{resolve_layer_loop(args.layer_loop)}", flush=True)
+          f"{layer_loop_of(args, model)}", flush=True)
     if args.compile_only:
         return compile_report(args, model, model_desc, configs, load_start)
     if args.spread_samples:
@@ -693,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     for ev in configs:
         for n in args.output_lens:
             r, tokens = bench.run(ev, n)
+            release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
             runs.append(r)
             if ev.method == "full":
                 full_tokens[n] = (r, tokens)
@@ -735,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             "param_bytes": vb.param_bytes(model), "batch": args.batch, "prompt_len": args.prompt_len,
             "prompt_bucket": int(ids.shape[1]), "repeats": args.repeats, "warmup": args.warmup,
             "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
-            "layer_loop": resolve_layer_loop(args.layer_loop), "cpu_model": vb.cpu_model(),
+            "layer_loop": layer_loop_of(args, model), "cpu_model": vb.cpu_model(),
             "load_warning": vb.load_warning(load_start[0]),
             "device": device_desc(),
             "cpu_count": os.cpu_count(),

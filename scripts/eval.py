@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "every process runs the same command with its own --process-id")
     p.add_argument("--num-processes", type=int, help="processes of a multi-process run")
     p.add_argument("--process-id", type=int, help="this process's index, 0..num-processes-1")
+    p.add_argument("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache: compiled programs "
+                   "kept for later runs (default $VASE_JAX_COMPILATION_CACHE or ~/.cache/vase-jax/xla, 4 GiB at most)")
+    p.add_argument("--no-compile-cache", action="store_true", help="compile every program anew in this run")
     return p
 
 
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vase_jax import distributed
     from vase_jax import evaluation as ev
+    from vase_jax.jit import compilation_cache_dir, enable_compilation_cache
     from vase_jax.sharding import parse_mesh
     from vase_jax.tasks import get_task
 
@@ -116,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if multi:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if not args.no_compile_cache:  # before anything compiles: a rerun on the same shapes loads its programs
+        try:
+            enable_compilation_cache(args.compile_cache)
+        except OSError as e:
+            return fail(f"--compile-cache={args.compile_cache or str(compilation_cache_dir())!r}: {e}")
     writer = distributed.is_writer()
     try:
         cfg, problems = ev.resolve(
@@ -210,6 +219,8 @@ def _model_config(model: str):
 def _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted) -> None:
     from tqdm import tqdm
 
+    from vase_jax.jit import release_programs_near_mapping_limit
+
     per_problem = len(wanted) // len(problems)
     have: dict[str, int] = {}
     correct = graded = 0
@@ -230,6 +241,7 @@ def _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted) -> No
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}",
                         acc=f"{100 * correct / max(graded, 1):.1f}%", samples=f"{graded}/{len(wanted)}",
                         refresh=False)
+        release_programs_near_mapping_limit()  # between calls: XLA:CPU crashes at the process's mapping limit
         if finished is not None and finished not in counted:
             counted.add(finished)
             bar.update(1)

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """Per-device memory of generating on a mesh, before renting the devices: weights, KV cache and the compiled
-program's temporaries (`vase_jax.planner`), on simulated CPU devices.
+program's temporaries (`vase_jax.planner`), from the target's own compiler without the device.
 
-    python scripts/plan.py --model qwen3-32b --mesh data=1,model=8 --batch 16 --budget 4096
+    python scripts/plan.py --model qwen3-32b --mesh data=1,model=8 --batch 16 --budget 4096 --target h200
+
+--target: h200 (XLA:GPU; needs `pip install "jax[cuda13]==<jax>"`), v5p (XLA:TPU; `pip install "jax[tpu]==<jax>"`)
+or cpu (XLA:CPU on simulated host devices).
 
 --model: a packaged real config (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, or tiny /
 small) or a local checkpoint folder (its config.json). Nothing is downloaded or allocated.
@@ -30,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--max-new-tokens", type=int, default=32768, help="output tokens per row (default 32768)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--target", default="h200", choices=("h200", "v5p", "cpu"),
+                   help="whose compiler plans the program: an H200's (default), a TPU v5p's, or XLA:CPU's")
     p.add_argument("--no-compile", action="store_true", help="weights and cache only (no compile)")
     p.add_argument("--device-gb", type=float, help="device memory in GB: say whether the plan fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -53,12 +58,17 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     devices = sizes["data"] * sizes["model"]
+    if args.target == "h200":  # the H200 plugin's checks need a driver: compile only (before jax starts)
+        from vase_jax.aot import deviceless_environment
+
+        os.environ.update(deviceless_environment())
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", "cpu")  # the programs run nowhere; a device target's plugin only compiles
     jax.config.update("jax_num_cpu_devices", devices)  # simulated devices (before the backend starts)
     import jax.numpy as jnp
 
+    from vase_jax import aot
     from vase_jax.bench import named_configs
     from vase_jax.config import Qwen3Config
     from vase_jax.eviction.config import EvictionConfig
@@ -72,8 +82,15 @@ def main(argv=None) -> int:
         cfg = Qwen3Config.from_json_file(Path(args.model) / "config.json")
     else:
         fail(f"--model={args.model!r} is neither a known config ({', '.join(named)}) nor a folder with config.json")
+    try:  # the mesh against the model and the batch, before anything else
+        check_mesh(cfg, jax.sharding.AbstractMesh((sizes["data"], sizes["model"]), ("data", "model")), args.batch)
+    except ValueError as e:
+        fail(str(e))
+    if args.target != "cpu" and not args.no_compile and aot.missing(args.target):
+        fail(f"--target {args.target}: {aot.missing(args.target)}; or plan with --target cpu (XLA:CPU's figures)")
     try:
-        mesh = make_mesh(sizes["data"], sizes["model"])
+        target_devices = None if args.target == "cpu" or args.no_compile else aot.TARGETS[args.target].devices(devices)
+        mesh = make_mesh(sizes["data"], sizes["model"], target_devices)
         check_mesh(cfg, mesh, args.batch)
         eviction = (EvictionConfig("full") if args.method == "full" else
                     EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
@@ -82,7 +99,8 @@ def main(argv=None) -> int:
                            compile_program=not args.no_compile)
     except ValueError as e:
         fail(str(e))
-    out = {"model": args.model, "mesh": sizes, "batch": args.batch, "method": args.method, "budget": args.budget,
+    out = {"model": args.model, "target": args.target, "mesh": sizes, "batch": args.batch, "method": args.method,
+           "budget": args.budget,
            "capacity": plan.capacity, "per_device_bytes": {
                "weights": plan.weights, "cache": plan.cache, "temporaries": plan.temporaries,
                "arguments": plan.arguments, "outputs": plan.outputs,
@@ -92,8 +110,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
+    compiler = {"h200": "XLA:GPU for an H200", "v5p": "XLA:TPU for a v5p", "cpu": "XLA:CPU"}[args.target]
     print(f"{args.model} on mesh data={sizes['data']},model={sizes['model']}: batch {args.batch}, {args.method} "
-          f"budget {args.budget} ({plan.capacity} cache slots), per device:")
+          f"budget {args.budget} ({plan.capacity} cache slots), per device ({compiler}):")
     for name, value in out["per_device_bytes"].items():
         print(f"  {name:12s} {'-' if value is None else f'{value / 2**30:9.3f} GiB'}")
     if "fits" in out:
