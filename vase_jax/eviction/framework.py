@@ -212,13 +212,16 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
             event_key = fold_rows(layer_key, c.evictions)
         kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids, attention_impl)
         src = _compacted_slots(kept, c.length, c.capacity, budget, buffer)  # [batch, kv_heads, capacity]
+        src = jnp.where(rows[:, None, None], src, jnp.arange(c.capacity))  # rows not evicted: every slot stays
+        cleared = stale & rows[:, None, None]  # [batch, 1 | kv_heads, capacity]: slots >= N of evicted rows
+        b_idx = jnp.arange(b)[:, None, None]
+        h_idx = jnp.arange(src.shape[1])[None, :, None]
 
         def update(x: jax.Array, fill=None) -> jax.Array:
-            old = layer_of(x, layer)
-            new = _gather_slots(old, src)
+            # gathered straight from the stack (the layer index is part of the gather): no copy of the old layer
+            new = x[layer, b_idx, h_idx, src]  # [batch, kv_heads, capacity, ...]
             if fill is not None:
-                new = jnp.where(stale, fill, new)
-            new = jnp.where(rows.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+                new = jnp.where(cleared.reshape(cleared.shape + (1,) * (new.ndim - 3)), fill, new)
             return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
 
         state = {name: update(x, 0.0) for name, x in c.state.items()}
