@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # the programs run nowhere; a device target's plugin only compiles
-    jax.config.update("jax_num_cpu_devices", devices)  # simulated devices (before the backend starts)
+    if args.target == "cpu" or args.no_compile:  # simulated host devices (before the backend starts); a device
+        jax.config.update("jax_num_cpu_devices", devices)  # target's devices come from its topology
     import jax.numpy as jnp
 
     from vase_jax import aot

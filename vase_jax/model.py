@@ -57,8 +57,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool 
 
 
 def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...],
-            pad_lone_row: bool = False) -> tuple[jax.Array, ...]:
-    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], float32 results. `pad_lone_row` (the target's
+            pad_lone_row: bool = False, out_dtype=jnp.float32) -> tuple[jax.Array, ...]:
+    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], accumulated in float32 and cast to `out_dtype` (inside
+    the switch's branches for `PerLayer` weights). `pad_lone_row` (the target's
     `pads_lone_rows`): XLA:CPU runs a one-row 16-bit matmul (a matrix-vector product) about 8x slower than a
     two-row one, so there one zero row is added and dropped again. `PerLayer` weights are multiplied in place, all
     in one `lax.switch` on their layer index (one branch per layer, whatever the number of weights)."""
@@ -68,14 +69,14 @@ def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer,
         x = jnp.pad(x, ((0, 1), (0, 0)))
     if isinstance(ws[0], PerLayer):
         per_layer = zip(*(w.arrays for w in ws), strict=True)  # layer l -> (ws[0] of l, ws[1] of l, ...)
-        ys = jax.lax.switch(ws[0].index, [functools.partial(_dots, spec, wl) for wl in per_layer], x)
+        ys = jax.lax.switch(ws[0].index, [functools.partial(_dots, spec, wl, out_dtype) for wl in per_layer], x)
     else:
-        ys = _dots(spec, ws, x)
+        ys = _dots(spec, ws, out_dtype, x)
     return tuple(y[:rows] if pad else y for y in ys)
 
 
-def _dots(spec: str, ws: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32) for w in ws)
+def _dots(spec: str, ws: tuple[jax.Array, ...], out_dtype, x: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(out_dtype) for w in ws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +92,21 @@ class PerLayer:
         return PerLayer(tuple(a.reshape(*shape) for a in self.arrays), self.index)
 
 
-def linear(x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False, decode: bool = False) -> jax.Array:
     """x [n, in] times w [out, in] (HF's layout) -> [n, out], a float32 result cast to x's dtype. Callers flatten
     to 2-D: inside a loop, XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
-    return linears(x, (w,), pad_lone_row)[0]
+    return linears(x, (w,), pad_lone_row, decode)[0]
 
 
-def linears(x: jax.Array, ws: tuple, pad_lone_row: bool = False) -> tuple[jax.Array, ...]:
-    """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones)."""
-    return tuple(y.astype(x.dtype) for y in matmuls("ni,oi->no", x, ws, pad_lone_row))
+def linears(x: jax.Array, ws: tuple, pad_lone_row: bool = False, decode: bool = False) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones).
+
+    In a decode step (`decode`: one token per row) the cast to x's dtype is made inside the switch's branches:
+    XLA:TPU mis-compiles it after the switch for one row per device of a data-sharded bf16 mesh ("Bitcast cannot
+    have different shape sizes"). A prefill casts after the switch, where XLA fuses the cast into the consumers
+    (inside, XLA:TPU's Qwen3-8B-wide prefill of 16 x 128 tokens held 0.09 GiB more)."""
+    ys = matmuls("ni,oi->no", x, ws, pad_lone_row, out_dtype=x.dtype if decode else jnp.float32)
+    return tuple(y.astype(x.dtype) for y in ys)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -163,7 +170,7 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
     counts = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads, "v_proj": cfg.num_kv_heads}
     # [batch * seq, embed] x [n * d, embed] -> [batch, n, seq, d]
     projected = linears(x.reshape(b * t, e), tuple(w[name].reshape(n * d, e) for name, n in counts.items()),
-                        pad_lone_row)
+                        pad_lone_row, decode=t == 1)
     q, k, v = (y.reshape(b, t, counts[name], d).transpose(0, 2, 1, 3) for name, y in zip(counts, projected,
                                                                                           strict=True))
     # q [batch, q_heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]
@@ -205,15 +212,15 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
-    return x + linear(out, w["o_proj"].reshape(-1, hd), pad_lone_row).reshape(b, t, -1), cache
+    return x + linear(out, w["o_proj"].reshape(-1, hd), pad_lone_row, t == 1).reshape(b, t, -1), cache
 
 
 def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, pad_lone_row: bool = False) -> jax.Array:
     """x + SwiGLU(RMSNorm(x)): [batch, seq, embed], as 2-D matmuls over [batch * seq, embed]."""
     b, t, e = x.shape
     h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps).reshape(b * t, e)
-    gate, up = linears(h, (w["gate_proj"], w["up_proj"]), pad_lone_row)  # [batch * seq, mlp] each
-    return x + linear(jax.nn.silu(gate) * up, w["down_proj"], pad_lone_row).reshape(b, t, e)
+    gate, up = linears(h, (w["gate_proj"], w["up_proj"]), pad_lone_row, t == 1)  # [batch * seq, mlp] each
+    return x + linear(jax.nn.silu(gate) * up, w["down_proj"], pad_lone_row, t == 1).reshape(b, t, e)
 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
