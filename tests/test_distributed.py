@@ -37,7 +37,7 @@ def work(tmp_path_factory):
 def _args(work, out, *extra: str) -> list[str]:
     return ["--random-model", "tiny", "--task", "gsm8k", "--data", work["data"], "--methods", "full,vase_attnv",
             "--budgets", "32", "--buffer", "8", "--samples", str(SAMPLES), "--batch-size", str(SAMPLES),
-            "--max-total-tokens", "80", "--dtype", "float32", "--save-text", "--out", str(out), *extra]
+            "--max-total-tokens", "56", "--dtype", "float32", "--save-text", "--out", str(out), *extra]
 
 
 def _env(work, devices: int) -> dict:
@@ -85,6 +85,8 @@ def single(work):
     res = subprocess.run([sys.executable, str(SCRIPT), *_args(work, out)], env=_env(work, 1), cwd=work["root"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+    evictions = [r["evictions"] for r in _records(out).values() if r["method"] == "vase_attnv"]
+    assert min(evictions) >= 2  # every compared run evicts, more than once
     return out
 
 
@@ -102,13 +104,10 @@ def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, dev
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_and_resume_after_a_kill(work, single):
+    """Two processes on the default mesh (every device in data), killed once the first records are on disk
+    (process 1 first, then the writer) and both restarted: the records and summary of one process. (The records
+    written before the kill and those written after are both compared, so an uninterrupted run adds nothing.)"""
     total = len(PROBLEMS) * SAMPLES * 2
-    out = work["root"] / "two"
-    _finish(_start_two(work, out))
-    assert _records(out) == _records(single) and len(_records(out)) == total
-    assert _results(out) == _results(single)
-
-    # Killed once the first records are on disk: process 1 first, then the writer; both restarted.
     out = work["root"] / "killed"
     records = out / "records.jsonl"
     procs = _start_two(work, out)

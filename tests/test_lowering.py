@@ -1,7 +1,8 @@
 """`generate` lowered for GPU (cuda) and TPU on this CPU host: the platform's Pallas kernels must be in the program.
 
-For every packaged Qwen3 config's attention geometry (GQA groups 2, 4, 5 and 8 over 8 kv heads, head_dim 128), in
-bfloat16 and float32, for `full` and every eviction method, `generate` (prefill, decode loop, eviction) is traced
+For every packaged Qwen3 config's attention geometry (GQA groups 2, 4, 5 and 8 over 8 kv heads, head_dim 128), for
+`full` and every eviction method, in bfloat16 or float32 (alternating: every geometry and every method is lowered in
+both), `generate` (prefill, decode loop, eviction) is traced
 with `attention_impl="auto"` at the paper's sizes (N = 2048, B = 64; 4096 new tokens) and lowered for `("cuda",)`
 and for `("tpu",)`. Lowering runs every Pallas lowering rule (block shapes, unsupported ops) but does not compile:
 the Triton -> PTX and Mosaic compilers run only on the device (`scripts/device_check.py`).
@@ -85,10 +86,26 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
     return texts
 
 
+def _method_geometry_dtype() -> list:
+    """Every method on every geometry, in one dtype each, alternating over the methods and the geometries: each
+    geometry is lowered in both dtypes by scored and unscored methods alike, and each method in both dtypes (the
+    kernels' lowering rules see the geometry and the dtype; the method decides which kernels are called)."""
+    methods = ["full", *sorted(METHODS)]
+    return [pytest.param(m, g, ("bfloat16", "float32")[(i + j) % 2], id=f"{m}-{GEOMETRY_IDS[g]}")
+            for i, m in enumerate(methods) for j, g in enumerate(GEOMETRIES)]
+
+
+def test_the_lowered_combinations_cover_every_geometry_dtype_and_kernel():
+    combos = {(m, g, d) for m, g, d in (p.values for p in _method_geometry_dtype())}
+    for g in GEOMETRIES:
+        for d in ("bfloat16", "float32"):
+            assert {m in SCORED for m, g2, d2 in combos if (g2, d2) == (g, d)} == {True, False}, (g, d)
+    assert {m for m, _, _ in combos} == {"full", *METHODS}
+    assert all({d for m2, _, d in combos if m2 == m} == {"bfloat16", "float32"} for m, _, _ in combos)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("geometry", list(GEOMETRIES), ids=lambda g: GEOMETRY_IDS[g])
-@pytest.mark.parametrize("method", ["full", *sorted(METHODS)])
+@pytest.mark.parametrize("method, geometry, dtype", _method_geometry_dtype())
 def test_generate_lowers_with_the_platform_kernels(method, geometry, dtype):
     texts = _lowered_texts(_model(geometry, dtype), method)
     for platform, text in texts.items():
