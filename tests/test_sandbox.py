@@ -509,6 +509,47 @@ def test_bad_config_names_the_parameter(tmp_path):
         probe(SandboxConfig(python=str(tmp_path / "no-python")))
 
 
+def test_cgroup_v2_protocol_on_a_delegated_folder_layout(tmp_path):
+    """The cgroup v2 path, on a plain folder laid out as a delegated v2 subtree (this host mounts v2 without the
+    memory and pids controllers, so the kernel side runs only on v1 here): the controllers are enabled for
+    children, a run's cgroup gets memory.max, memory.swap.max = 0 and pids.max, and its CPU time and OOM kills are
+    read from cpu.stat and memory.events. A folder without the controllers is refused, saying which are missing."""
+    from vase_jax.sandbox.cgroup import CgroupError, _v2_backend
+
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    backend = _v2_backend(str(tmp_path))
+    assert backend.version == 2 and backend.parents == (("", str(tmp_path)),)
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+pids"  # the last of "+memory", "+pids"
+    assert "cgroup v2 (memory, pids)" in backend.describe()
+
+    real_mkdir = os.mkdir
+
+    def mkdir_with_control_files(path, *args):  # what the kernel makes in a new v2 cgroup
+        real_mkdir(path, *args)
+        for name in ("memory.max", "memory.swap.max", "pids.max", "cgroup.procs", "cgroup.kill"):
+            Path(path, name).write_text("max\n" if name.endswith("max") else "")
+        Path(path, "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\n")
+        Path(path, "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "mkdir", mkdir_with_control_files)
+        run = backend.create(256 << 20, 64)
+    folder = Path(run.dirs[""])
+    assert folder.parent == tmp_path and folder.name.startswith(f"vase-sandbox-{os.getpid()}-")
+    assert (folder / "memory.max").read_text() == str(256 << 20)
+    assert (folder / "memory.swap.max").read_text() == "0"
+    assert (folder / "pids.max").read_text() == "64"
+    assert run.procs_files == [str(folder / "cgroup.procs")]
+    assert run.cpu_seconds() == 2.5 and run.oom_kills() == 1
+    run.kill()
+    assert (folder / "cgroup.kill").read_text() == "1"  # the whole cgroup at once
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(CgroupError, match="lacks the memory, pids controller"):
+        _v2_backend(str(tmp_path))
+
+
 DRIVER = """
 import importlib.util, json, os, sys
 package, pyseccomp_dir, runs, target, secret, public = sys.argv[1:7]
