@@ -4,7 +4,7 @@ program's temporaries (`vase_jax.planner`), from the target's own compiler witho
 
     python scripts/plan.py --model qwen3-32b --mesh data=1,model=8 --batch 16 --budget 4096 --target h200
 
---target: h200 (XLA:GPU; needs `pip install "jax[cuda13]==<jax>"`), v5p (XLA:TPU; `pip install "jax[tpu]==<jax>"`)
+--target: h200 (XLA:GPU; needs `pip install "jax[cuda13-local]==<jax>"`), v5p (XLA:TPU; `pip install "jax[tpu]==<jax>"`)
 or cpu (XLA:CPU on simulated host devices).
 
 --model: a packaged real config (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, or tiny /

@@ -8,8 +8,9 @@ temporaries are at most the cache plus one layer's weights, plus 10%. Beyond the
 prefill's activations, which grow with batch x prompt tokens (the dense prefill attention's scores with batch x
 prompt^2): at 256 prompt tokens XLA:TPU's are 0.7 GiB, over one layer's weights (docs/BENCHMARKS.md).
 
-Marked `aot`; they need the target's JAX plugin (`pip install "jax[cuda13]==<jax>"` / `"jax[tpu]==<jax>"`) and skip
-cleanly without it. `.ci/run` installs each plugin in a venv of its own and runs `pytest -m aot` there.
+Marked `aot`; they need the target's JAX plugin (`pip install "jax[cuda13-local]==<jax>"` / `"jax[tpu]==<jax>"`)
+and skip cleanly without it. `.ci/run` installs each plugin in a venv of its own and runs `pytest -m aot` there.
+The suite's persistent compilation cache is off here: a deviceless program cannot be loaded from it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import pytest
 
 import vase_jax as vj
@@ -33,6 +35,15 @@ CFG = dataclasses.replace(named_configs()["qwen3-8b"], num_layers=4)
 METHODS = {"full": vj.EvictionConfig("full"),
            "vase_dkv": vj.EvictionConfig("vase_dkv", budget=2048, buffer=64),
            "vase_attnv": vj.EvictionConfig("vase_attnv", budget=2048, buffer=64)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_persistent_cache():
+    """The conftest's compilation cache, off for these tests (and back on after them)."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 @functools.cache

@@ -2,10 +2,11 @@
 really compile on a CPU host (Triton and Mosaic kernels included), so the program a device would run, its fusions
 and its memory plan (`Compiled.memory_analysis()`) can be checked before any device is rented.
 
-Each target needs its JAX plugin, in the installed jax's version: `pip install "jax[cuda13]==<jax>"` for the H200
-(about 4 GB; the plugin's cuPTI check needs a driver, so the environment must hold CUDA_VISIBLE_DEVICES=-1 and
-JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts: `deviceless_environment`), `pip install "jax[tpu]==<jax>"`
-for the v5p (about 0.7 GB). `missing(name)` says why a target cannot compile here, or None.
+Each target needs its JAX plugin, in the installed jax's version: `pip install "jax[cuda13-local]==<jax>"` for
+the H200 (0.4 GB: the plugin without the CUDA libraries, which compiling does not need; its cuPTI check needs a
+driver, so the environment must hold CUDA_VISIBLE_DEVICES=-1 and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax
+starts: `deviceless_environment`), `pip install "jax[tpu]==<jax>"` for the v5p (about 0.7 GB).
+`missing(name)` says why a target cannot compile here, or None.
 
 The arguments are abstract: weights, prompts and keys are `ShapeDtypeStruct`s placed on the target's topology
 (one device), so nothing is allocated whatever the model's size.
@@ -59,7 +60,7 @@ class DevicelessTarget:
 
 
 TARGETS = {
-    "h200": DevicelessTarget("h200", "cuda", "jax_cuda13_plugin", "jax[cuda13]", ("1x1x1", "1x1x8")),
+    "h200": DevicelessTarget("h200", "cuda", "jax_cuda13_plugin", "jax[cuda13-local]", ("1x1x1", "1x1x8")),
     "v5p": DevicelessTarget("v5p", "tpu", "libtpu", "jax[tpu]", ("v5p:2x2x1", "v5p:2x2x2", "v5p:2x4x4")),
 }
 ENVIRONMENT = {"CUDA_VISIBLE_DEVICES": "-1", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
