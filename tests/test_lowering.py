@@ -132,7 +132,7 @@ def test_auto_lowers_no_kernel_for_the_host():
 @functools.cache
 def _deep_model(dtype: str) -> vj.Qwen3:
     """Three layers (so an unrolled program names layer_2), the Qwen3-8B attention geometry."""
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=32,
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=3, num_heads=32,
                       num_kv_heads=8, head_dim=128)
     return nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=getattr(jnp, dtype), rngs=nnx.Rngs(0)))
 
@@ -141,7 +141,9 @@ def _deep_model(dtype: str) -> vj.Qwen3:
 def test_each_platform_lowers_its_own_program(method):
     """`lower_generate(platforms=(p,))` lowers the program that p runs, whatever the host (`vase_jax.target`): for
     cuda and tpu a bf16 cache stored as bf16 and a lone row run alone, for cpu a cache stored as uint16 bits and
-    the lone row beside a copy; unrolled layers (each its own code: `layer_2` in the locations) on cuda only."""
+    the lone row beside a copy; unrolled layers (each its own code: `layer_2` in the locations) on cuda only; the
+    MLP's gate and up projections ([rows, 768]) written in bf16 by their dots on cuda and tpu, in float32 (and cast)
+    on cpu (`model.matmuls`)."""
     model = _deep_model("bfloat16")
     ids = jnp.ones((1, 20), jnp.int32)
     eviction = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=256, buffer=64)
@@ -156,6 +158,8 @@ def test_each_platform_lowers_its_own_program(method):
         assert ("xui16>" in text) == cpu, f"{platform}: cache storage"  # uint16 bits only on CPU
         assert ("layer_2/" in text) == (platform == "cuda"), f"{platform}: layer loop"
         assert ids_type == ("2" if cpu else "1"), f"{platform}: a lone row runs {'beside a copy' if cpu else 'alone'}"
+        mlp_dots = re.findall(r"stablehlo.dot_general.*-> tensor<[0-9x]*x768x(\w+)>", text)
+        assert mlp_dots and set(mlp_dots) == {"f32" if cpu else "bf16"}, f"{platform}: MLP dots {mlp_dots}"
 
 
 def test_lowering_takes_one_known_platform():

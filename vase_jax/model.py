@@ -51,32 +51,45 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer, target: Target | None = None) -> jax.Array:
     """`einsum(spec, x, w)` for a 2-D x [rows, in] with a float32 result (see `matmuls`)."""
-    return matmuls(spec, x, (w,), pad_lone_row)[0]
+    return matmuls(spec, x, (w,), target)[0]
 
 
 def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...],
-            pad_lone_row: bool = False, out_dtype=jnp.float32) -> tuple[jax.Array, ...]:
-    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in], accumulated in float32 and cast to `out_dtype` (inside
-    the switch's branches for `PerLayer` weights). `pad_lone_row` (the target's
-    `pads_lone_rows`): XLA:CPU runs a one-row 16-bit matmul (a matrix-vector product) about 8x slower than a
+            target: Target | None = None, out_dtype=jnp.float32, epilogue=None) -> tuple[jax.Array, ...]:
+    """`einsum(spec, x, w)` for each w, a 2-D x [rows, in]: products accumulated in float32 (every backend does so
+    for 16-bit operands), results in `out_dtype`. On GPU and TPU the dot writes them itself: no 16-bit result
+    exists in float32 (XLA:GPU's prefill held each MLP projection twice, the dot's float32 output and its cast) and
+    no cast follows a switch (XLA:TPU mis-compiled one there, for one row per device of a data-sharded bf16 mesh).
+    `epilogue` combines the results there, inside the switch's branch (the MLP's SwiGLU: one [rows, mlp] array
+    leaves the branch, not two: XLA:TPU's prefill held both). XLA:CPU converts the operands of a dot with a 16-bit
+    result to float32 (a float32 copy of the weight), so there (`target.cpu`, or no target) the dots write float32
+    and the cast and the epilogue follow the switch (the programs XLA:CPU was tuned on).
+
+    `target.pads_lone_rows`: XLA:CPU runs a one-row 16-bit matmul (a matrix-vector product) about 8x slower than a
     two-row one, so there one zero row is added and dropped again. `PerLayer` weights are multiplied in place, all
     in one `lax.switch` on their layer index (one branch per layer, whatever the number of weights)."""
     rows = x.shape[0]
-    pad = pad_lone_row and rows == 1 and x.dtype.itemsize == 2
+    pad = target is not None and target.pads_lone_rows and rows == 1 and x.dtype.itemsize == 2
     if pad:
         x = jnp.pad(x, ((0, 1), (0, 0)))
+    host = target is None or target.cpu
+    dots = functools.partial(_dots, spec, jnp.float32 if host else out_dtype, None if host else epilogue)
     if isinstance(ws[0], PerLayer):
         per_layer = zip(*(w.arrays for w in ws), strict=True)  # layer l -> (ws[0] of l, ws[1] of l, ...)
-        ys = jax.lax.switch(ws[0].index, [functools.partial(_dots, spec, wl, out_dtype) for wl in per_layer], x)
+        ys = jax.lax.switch(ws[0].index, [functools.partial(dots, wl) for wl in per_layer], x)
     else:
-        ys = _dots(spec, ws, out_dtype, x)
+        ys = dots(ws, x)
+    if host:
+        ys = tuple(y.astype(out_dtype) for y in ys)
+        ys = ys if epilogue is None else (epilogue(*ys),)
     return tuple(y[:rows] if pad else y for y in ys)
 
 
-def _dots(spec: str, ws: tuple[jax.Array, ...], out_dtype, x: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(out_dtype) for w in ws)
+def _dots(spec: str, dtype, epilogue, ws: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+    ys = tuple(jnp.einsum(spec, x, w, preferred_element_type=dtype) for w in ws)
+    return ys if epilogue is None else (epilogue(*ys),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,21 +105,15 @@ class PerLayer:
         return PerLayer(tuple(a.reshape(*shape) for a in self.arrays), self.index)
 
 
-def linear(x: jax.Array, w: jax.Array | PerLayer, pad_lone_row: bool = False, decode: bool = False) -> jax.Array:
-    """x [n, in] times w [out, in] (HF's layout) -> [n, out], a float32 result cast to x's dtype. Callers flatten
+def linear(x: jax.Array, w: jax.Array | PerLayer, target: Target | None = None) -> jax.Array:
+    """x [n, in] times w [out, in] (HF's layout) -> [n, out] in x's dtype, accumulated in float32. Callers flatten
     to 2-D: inside a loop, XLA:CPU runs a matmul with a 3-D operand several times slower than the same 2-D one."""
-    return linears(x, (w,), pad_lone_row, decode)[0]
+    return linears(x, (w,), target)[0]
 
 
-def linears(x: jax.Array, ws: tuple, pad_lone_row: bool = False, decode: bool = False) -> tuple[jax.Array, ...]:
-    """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones).
-
-    In a decode step (`decode`: one token per row) the cast to x's dtype is made inside the switch's branches:
-    XLA:TPU mis-compiles it after the switch for one row per device of a data-sharded bf16 mesh ("Bitcast cannot
-    have different shape sizes"). A prefill casts after the switch, where XLA fuses the cast into the consumers
-    (inside, XLA:TPU's Qwen3-8B-wide prefill of 16 x 128 tokens held 0.09 GiB more)."""
-    ys = matmuls("ni,oi->no", x, ws, pad_lone_row, out_dtype=x.dtype if decode else jnp.float32)
-    return tuple(y.astype(x.dtype) for y in ys)
+def linears(x: jax.Array, ws: tuple, target: Target | None = None, epilogue=None) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w of `ws` (weights that read the same input: one switch for `PerLayer` ones)."""
+    return matmuls("ni,oi->no", x, ws, target, out_dtype=x.dtype, epilogue=epilogue)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -158,7 +165,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, r
 
 
 # ---- the layer function ---------------------------------------------------------------------------------------
-def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, pad_lone_row: bool = False):
+def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
+            target: Target | None = None):
     """x: [batch, seq, embed] -> post-RoPE q [batch, kv_heads, group, seq, head_dim], k and v [b, kv_heads, seq, d].
 
     Projections are plain 2-D matmuls against `[heads * head_dim, embed]` views of the weights, so no weight is
@@ -170,7 +178,7 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
     counts = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads, "v_proj": cfg.num_kv_heads}
     # [batch * seq, embed] x [n * d, embed] -> [batch, n, seq, d]
     projected = linears(x.reshape(b * t, e), tuple(w[name].reshape(n * d, e) for name, n in counts.items()),
-                        pad_lone_row, decode=t == 1)
+                        target)
     q, k, v = (y.reshape(b, t, counts[name], d).transpose(0, 2, 1, 3) for name, y in zip(counts, projected,
                                                                                           strict=True))
     # q [batch, q_heads, seq, head_dim]; k, v [batch, kv_heads, seq, head_dim]
@@ -181,7 +189,7 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
 
 
 def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, mask: jax.Array | None,
-              cache: KVCache | None, layer, attention_impl: str, pad_lone_row: bool = False):
+              cache: KVCache | None, layer, attention_impl: str, target: Target | None = None):
     """Self-attention of one layer: x [batch, seq, embed] -> (x + attention output, cache).
 
     Without a cache, or with a multi-token input (which fills slots [0, seq) of an empty cache), the queries attend
@@ -193,7 +201,7 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a cache without
     state runs exactly the code above.
     """
-    q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, pad_lone_row)
+    q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, target)
     b, t = x.shape[:2]
     if cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
@@ -212,26 +220,30 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
-    return x + linear(out, w["o_proj"].reshape(-1, hd), pad_lone_row, t == 1).reshape(b, t, -1), cache
+    return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
 
 
-def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, pad_lone_row: bool = False) -> jax.Array:
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, target: Target | None = None) -> jax.Array:
     """x + SwiGLU(RMSNorm(x)): [batch, seq, embed], as 2-D matmuls over [batch * seq, embed]."""
     b, t, e = x.shape
     h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps).reshape(b * t, e)
-    gate, up = linears(h, (w["gate_proj"], w["up_proj"]), pad_lone_row, t == 1)  # [batch * seq, mlp] each
-    return x + linear(jax.nn.silu(gate) * up, w["down_proj"], pad_lone_row, t == 1).reshape(b, t, e)
+    (act,) = linears(h, (w["gate_proj"], w["up_proj"]), target, _swiglu)  # [batch * seq, mlp]
+    return x + linear(act, w["down_proj"], target).reshape(b, t, e)
 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
                   mask: jax.Array | None, cache: KVCache | None, layer, attention_impl: str = "auto",
-                  pad_lone_row: bool = False):
+                  target: Target | None = None):
     """One decoder layer with weights `w` (`DecoderLayer.weights`, or the switched loop's view of every layer's):
     (x, cache) -> (x, cache). `layer` indexes the stacked cache (an int, or traced in the switched loop)."""
     with jax.named_scope("attention"):
-        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl, pad_lone_row)
+        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl, target)
     with jax.named_scope("mlp"):
-        x = mlp(cfg, w, x, pad_lone_row)
+        x = mlp(cfg, w, x, target)
     return x, cache
 
 
@@ -321,13 +333,13 @@ class Qwen3(nnx.Module):
             return jnp.take(table, tokens, axis=0)
         return from_bits(jnp.take(as_bits(table), tokens, axis=0), table.dtype)
 
-    def logits(self, x: jax.Array, pad_lone_row: bool = False) -> jax.Array:
+    def logits(self, x: jax.Array, target: Target | None = None) -> jax.Array:
         """Final norm and LM head; float32 logits [batch, seq, vocab]."""
         with jax.named_scope("lm_head"):
             b, t, e = x.shape
             x = self.norm(x).reshape(b * t, e)  # a 2-D matmul: XLA:CPU runs "bte,ve->btv" inside a loop 3x slower
             head = self.embedding if self.lm_head is None else self.lm_head  # [vocab, embed]
-            logits = matmul("ne,ve->nv", x, head[...], pad_lone_row)
+            logits = matmul("ne,ve->nv", x, head[...], target)
             return logits.reshape(b, t, -1)  # [batch, seq, vocab]
 
     def layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
@@ -365,16 +377,16 @@ class Qwen3(nnx.Module):
         if not decoding:
             token_mask = (jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool))
             mask = jnp.tril(jnp.ones((t, t), bool))[None] & token_mask[:, None, :]  # [batch, tq, tk]
-        cfg, pad = self.cfg, target.pads_lone_rows
+        cfg = self.cfg
 
         def body(carry, w, i):
             x, c = carry
-            return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl, pad)
+            return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl, target)
 
         if cache is not None:  # positions and counters first: every layer's `pos` is the same
             cache = start_token(cache) if decoding else start_prompt(cache, mask[:, -1, :])
         x, cache = run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
-        return self.logits(x[:, -1:] if last_logits_only else x, pad), cache
+        return self.logits(x[:, -1:] if last_logits_only else x, target), cache
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Plain forward pass (no cache) over left-padded prompts: float32 logits [batch, seq, vocab]."""

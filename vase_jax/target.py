@@ -12,6 +12,7 @@ platforms=("cuda",))` on a CPU host lowers exactly the program a GPU runs.
 | a batch of one row | runs beside a copy of itself | as is | as is |
 | the prompt's keys and values | written as they are | written as they are | laid out row-major first |
 | XLA options of decode programs | invariant code motion off | defaults | defaults |
+| a 16-bit matmul's result | float32, then cast | written in 16 bits by the dot | written in 16 bits by the dot |
 
 The layer loop is each compiler's better one: on XLA:TPU (deviceless compiles of Qwen3-8B's shape, 36 layers)
 `switch` compiles in a third of the time of `unroll` and holds half the temporaries; on GPUs `unroll`, since
@@ -25,6 +26,9 @@ Why, on XLA:CPU (docs/DESIGN.md has the measurements):
   the gather touch only their rows.
 - A one-row 16-bit matmul is a matrix-vector product there, whose float32 sums differ in the last bit from those
   of the multi-row kernel: a row's numbers must not depend on its batch's size.
+- A dot with a 16-bit result has its operands converted to float32 first (a float32 copy of the weight); with a
+  float32 result it reads them as they are. Elsewhere the dot writes the 16-bit result from its float32
+  accumulators (`model.matmuls`: XLA:GPU's prefill then holds no float32 copy of each MLP projection).
 - While-loop invariant code motion hoists the table's uint16 view out of the decode loop and materializes it (a
   copy of the embedding table held for the whole call).
 
