@@ -6,7 +6,7 @@ budget 2048 for `vase_dkv` and `vase_attnv`. For each: no instruction slices or 
 copies the embedding table, the cache is held once (no copy of it, in the decode loop or around it), and the
 temporaries are at most the cache plus one layer's weights, plus 10%. Beyond the cache, the temporaries are the
 prefill's activations, which grow with batch x prompt tokens (the dense prefill attention's scores with batch x
-prompt^2): at 256 prompt tokens XLA:TPU's are 0.7 GiB, over one layer's weights (docs/BENCHMARKS.md).
+prompt^2), hence the short prompt: the bound is about the decode loop (docs/BENCHMARKS.md has 256-token figures).
 
 Marked `aot`; they need the target's JAX plugin (`pip install "jax[cuda13-local]==<jax>"` / `"jax[tpu]==<jax>"`)
 and skip cleanly without it. `.ci/run` installs each plugin in a venv of its own and runs `pytest -m aot` there.
