@@ -140,11 +140,18 @@ def test_no_recompiles_across_runs_and_buckets(model, samples):
     cfg = vj.GenerateConfig(max_new_tokens=40, temperature=0.7, eos_token_ids=())
     prompts, keys, _ = samples
     long_prompt = tuple(range(1, 100))  # bucket 128
-    reqs = [batching.Request(p, keys[0], i, 10 + i) for i, p in enumerate([*prompts[:4], long_prompt])]
+    reqs = [batching.Request(p, keys[0], i, 10 + i, tag=i) for i, p in enumerate([*prompts[:4], long_prompt])]
     batching.run(model, reqs, rows=3, config=cfg, eviction=ev)
     before = batching.compile_counts()
-    batching.run(model, list(reversed(reqs)), rows=3, config=cfg, eviction=ev)  # other order, same shapes
+    seen = []  # (tag, engine rounds dispatched when on_result saw it)
+    stats = batching.EngineStats()
+    results = batching.run(model, list(reversed(reqs)), rows=3, config=cfg, eviction=ev, stats=stats,
+                           on_result=lambda r: seen.append((r.tag, stats.segments)))  # other order, same shapes
     assert batching.compile_counts() == before
+    # results are handed out after the next round was dispatched: a round's results never wait for the host
+    # (round 1 ends with at least one result: a row is free when the host has more samples)
+    assert stats.segments == 2 and [t for t, _ in seen] == [r.tag for r in results] and len(seen) == 5
+    assert all(n == 2 for _, n in seen), seen
 
 
 def test_bad_input_raises_before_compiling(model, samples):

@@ -5,7 +5,8 @@ samples in one batched call (`_stage`: one program per prompt bucket) and hands 
 (`_engine`: one program). The engine decodes every busy row; when rows end, it copies their outputs into a
 results buffer and writes staged samples into the freed rows, all on the device, and goes on decoding. It returns
 to the host when every row is done, or when a row is free, nothing staged is left and the host has more samples.
-The host then hands each result to `on_result` and stages the next samples. Host round trips and prefill calls
+The host then stages the next samples and dispatches the next round, and only then hands the round's results to
+`on_result`: grading and writing records run beside the device's next round. Host round trips and prefill calls
 are thus one per `queue` samples, not one per sample; the loop state is donated, so no round copies the cache.
 Shapes never change, so nothing recompiles after the first round of each bucket (`compile_counts`).
 
@@ -86,6 +87,7 @@ class EngineStats:
     events: int = 0  # eviction events
     min_event_gap: int = 0  # the fewest steps between two eviction events (a large number if fewer than two)
     segments: int = 0  # engine calls (host round trips)
+    host_seconds: float = 0.0  # time in `on_result` (and building results), while the device ran the next round
 
     @property
     def utilization(self) -> float:
@@ -291,7 +293,9 @@ def run(
     """Generate every request on a batch of `rows` rows, refilling a row as soon as its sample ends.
 
     `on_result` is called with each sample's `Result` when the host sees it end (at the end of the engine's round,
-    in end order); the list of results is also returned in that order. `stats` (optional) receives the step counts
+    in end order); the list of results is also returned in that order. It runs while the device runs the next
+    round (already dispatched), so grading and writing records do not stall the device unless they take longer
+    than a round; `stats.host_seconds` adds up their time. `stats` (optional) receives the step counts
     and the row utilization. `queue`: samples prefilled per round (default `rows`; at least 2): fewer hold less
     memory (the staged prompts) and report results sooner, more make fewer round trips.
     """
@@ -318,20 +322,31 @@ def run(
     phase = jnp.int32(len(requests[0].prompt))  # the batch's ticks fall where the first sample's trigger does
     staged_at: dict[int, float] = {}
     results: list[Result] = []
-    while pending:
+
+    def next_round(e: EngineState) -> EngineState:  # dispatched, not waited for: the device runs it from here
         staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at, target)
-        e = _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, target)
         stats.segments += 1
+        return _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, target)
+
+    e = next_round(e)
+    while True:
         count, nums, finished, evictions, samples, tokens = jax.device_get(
             (e.out_count, e.out_num, e.out_finished, e.out_evictions, e.out_sample, e.out_tokens))
+        last = not pending
+        if not last:  # the next round runs on the device while the host hands this round's results out
+            e = next_round(e)
+        start = time.perf_counter()
         for i in range(int(count)):
             index = int(samples[i])
             result = Result(requests[index].tag, np.asarray(tokens[i, : int(nums[i])]), bool(finished[i]),
-                            int(evictions[i]), time.perf_counter() - staged_at.pop(index))
+                            int(evictions[i]), start - staged_at.pop(index))
             results.append(result)
             stats.useful_row_steps += int(nums[i]) - 1  # token 0 comes from the prefill
             if on_result is not None:
                 on_result(result)
+        stats.host_seconds += time.perf_counter() - start
+        if last:
+            break
     step, events, gap = jax.device_get((e.loop.step, e.loop.events, e.loop.min_event_gap))
     stats.steps += int(step)
     stats.events += int(events)
