@@ -125,6 +125,16 @@ class EngineState:
     out_count: jax.Array  # int32 scalar
 
 
+MAX_DEFAULT_QUEUE = 64
+
+
+def default_queue(rows: int) -> int:
+    """Samples prefilled per round by default: `rows`, at most `MAX_DEFAULT_QUEUE` (the staged prompts' caches
+    of a large batch would otherwise hold a noticeable share of the device: 256 staged 256-token prompts of
+    Qwen3-14B are 10.7 GB), at least 2 (a one-row prefill rounds differently on CPU)."""
+    return max(min(rows, MAX_DEFAULT_QUEUE), 2)
+
+
 def validate_requests(requests: list[Request], rows: int, config: GenerateConfig) -> None:
     """Clear errors, before anything compiles: rows >= 1, caps in [1, config.max_new_tokens], non-empty prompts."""
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
@@ -296,8 +306,9 @@ def run(
     in end order); the list of results is also returned in that order. It runs while the device runs the next
     round (already dispatched), so grading and writing records do not stall the device unless they take longer
     than a round; `stats.host_seconds` adds up their time. `stats` (optional) receives the step counts
-    and the row utilization. `queue`: samples prefilled per round (default `rows`; at least 2): fewer hold less
-    memory (the staged prompts) and report results sooner, more make fewer round trips.
+    and the row utilization. `queue`: samples prefilled per round (default `default_queue(rows)`: `rows`, at most
+    64, at least 2): fewer hold less memory (the staged prompts) and report results sooner, more make fewer round
+    trips.
     """
     requests = list(requests)
     config.validate()
@@ -305,7 +316,7 @@ def run(
     if not isinstance(model, Qwen3):
         raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
     validate_requests(requests, rows, config)
-    queue = max(rows, 2) if queue is None else queue
+    queue = default_queue(rows) if queue is None else queue
     if not isinstance(queue, int) or isinstance(queue, bool) or queue < 1:
         raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")
     target = generate_target(model, config)

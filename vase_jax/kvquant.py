@@ -1,0 +1,170 @@
+"""Quantized KV-cache storage: the setting (`KVBits`), packing, per-token-group quantization, and its bytes.
+
+A cached key or value x [..., D] (one token of one kv head: D = head_dim channels) is quantized in groups of g
+consecutive channels, asymmetrically, round-to-nearest, at b bits (qmax = 2^b - 1). Per group with minimum m
+and maximum M the parameters are HQQ's (`vase_jax.analysis.quant.minmax_params`):
+
+    s' = qmax / (M - m)   (1 where M - m <= 1e-4; at most 2e4),    z = -m s'        (not rounded)
+    q  = clamp(round(x s' + z), 0, qmax)                                          (the stored code)
+    x_hat = (q - z) / s' = q * scale + low,   scale = 1 / s',  low = -z / s'       (what is stored beside q)
+
+so a code is within half a step (scale / 2) of x, and this is exactly `analysis.quant.rtn_quantize` (HQQ with
+the refinement off) up to the rounding of `scale` and `low` to their stored dtype. With `refine=True`, z first
+goes through HQQ's proximal refinement (`analysis.quant.refine_zero`), as `hqq_quantize` does.
+
+Storage per token and kv head: the codes packed into bytes (8 bits: one per byte; 4 bits: two per byte, the even
+channel in the low nibble), and one `scale` and one `low` per group in `scale_dtype` (the cache's float dtype).
+Bytes per token, K and V of one kv head, head_dim 128, 16-bit scales: bf16 512; K8V8 (g = 128) 264 = 0.516x;
+K8V4 (g = 128, 64) 204 = 0.398x; K4V4 (g = 64) 144 = 0.281x (`token_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from vase_jax.analysis.quant import minmax_params, refine_zero
+
+BITS = (16, 8, 4)
+DEFAULT_GROUP = {8: 128, 4: 64}  # channels per scale at each width (a whole 128-wide head at 8 bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBits:
+    """Bits of cached keys and values: 16 (the cache's float dtype, unquantized), 8 or 4; keys never below values
+    (keys carry outlier channels and need more bits: KIVI). `key_group` / `value_group`: channels per scale (None:
+    `DEFAULT_GROUP` of the width). `refine`: HQQ's zero-point refinement when a token is quantized."""
+
+    key_bits: int = 16
+    value_bits: int = 16
+    key_group: int | None = None
+    value_group: int | None = None
+    refine: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> KVBits:
+        """"K8V4" (or "k8v4"), "K8V4g32" (one group size for both), "bf16" / "K16V16" (no quantization)."""
+        if text.lower() in ("bf16", "16", "k16v16", "none"):
+            return cls()
+        m = re.fullmatch(r"[kK](\d+)[vV](\d+)(?:[gG](\d+))?", text.strip())
+        if not m:
+            raise ValueError(f"kv bits {text!r}: expected K<bits>V<bits>[g<group>], e.g. K8V4 or K4V4g32, or bf16")
+        group = int(m.group(3)) if m.group(3) else None
+        return cls(int(m.group(1)), int(m.group(2)), group, group)
+
+    @property
+    def name(self) -> str:
+        if not self.quantizes:
+            return "K16V16"
+        groups = {self.group("key"), self.group("value")} - {None}
+        suffix = f"g{groups.pop()}" if len(groups) == 1 and (self.key_group or self.value_group) else ""
+        return f"K{self.key_bits}V{self.value_bits}{suffix}" + ("-hqq" if self.refine else "")
+
+    @property
+    def quantizes(self) -> bool:
+        return self.key_bits < 16 or self.value_bits < 16
+
+    def bits(self, which: str) -> int:
+        return self.key_bits if which == "key" else self.value_bits
+
+    def group(self, which: str) -> int | None:
+        """Channels per scale of "key" or "value" (None at 16 bits)."""
+        bits = self.bits(which)
+        if bits == 16:
+            return None
+        explicit = self.key_group if which == "key" else self.value_group
+        return DEFAULT_GROUP[bits] if explicit is None else explicit
+
+    def validate(self, head_dim: int | None = None) -> KVBits:
+        for which in ("key", "value"):
+            bits = self.bits(which)
+            if isinstance(bits, bool) or bits not in BITS:
+                raise ValueError(f"{which}_bits={bits!r}; allowed: {', '.join(map(str, BITS))}")
+            explicit = self.key_group if which == "key" else self.value_group
+            if explicit is not None and (isinstance(explicit, bool) or not isinstance(explicit, int)
+                                         or explicit < 2 or explicit % 2):
+                raise ValueError(f"{which}_group={explicit!r} must be an even integer >= 2")
+            group = self.group(which)
+            if head_dim is not None and group is not None and head_dim % group:
+                raise ValueError(f"{which}_group={group} must divide head_dim={head_dim}")
+        if self.key_bits < self.value_bits:
+            raise ValueError(f"key_bits={self.key_bits} < value_bits={self.value_bits}: keys are never stored in "
+                             "fewer bits than values")
+        return self
+
+
+# ---- packing --------------------------------------------------------------------------------------------------
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Codes [..., D] (integers in [0, 2^bits)) as bytes [..., D * bits / 8] (uint8). 4 bits: byte i holds channel
+    2i in its low nibble and 2i + 1 in its high nibble."""
+    codes = codes.astype(jnp.uint8)
+    if bits == 8:
+        return codes
+    if bits != 4:
+        raise ValueError(f"bits={bits}; packing takes 8 or 4")
+    if codes.shape[-1] % 2:
+        raise ValueError(f"4-bit packing needs an even channel count, got {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)  # [..., D / 2, 2]
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """The inverse of `pack`: bytes [..., D * bits / 8] -> codes [..., D] (uint8)."""
+    if bits == 8:
+        return packed
+    if bits != 4:
+        raise ValueError(f"bits={bits}; unpacking takes 8 or 4")
+    low, high = packed & 0x0F, packed >> 4  # [..., D / 2] each
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+# ---- quantization ---------------------------------------------------------------------------------------------
+@struct.dataclass
+class Quantized:
+    """Tokens x [..., D] stored at `bits` bits in groups of `group` channels: x_hat = code * scale + low."""
+
+    codes: jax.Array  # [..., D * bits / 8] uint8, packed
+    scale: jax.Array  # [..., D / group] in the scale dtype
+    low: jax.Array  # [..., D / group]
+    bits: int = struct.field(pytree_node=False)
+
+
+def quantize(x: jax.Array, bits: int, group: int, *, refine: bool = False, scale_dtype=None) -> Quantized:
+    """x [..., D] -> `Quantized` (module docstring); the math in float32, `scale` and `low` stored in
+    `scale_dtype` (default: x's dtype)."""
+    d = x.shape[-1]
+    if d % group:
+        raise ValueError(f"group={group} must divide the channel count {d}")
+    w = x.astype(jnp.float32).reshape(-1, group)  # [tokens * D / g, g]
+    s, z = minmax_params(w, bits)  # [G, 1] each
+    if refine:
+        z = refine_zero(w, s, z, bits, jnp.ones_like(s, bool))
+    q = jnp.clip(jnp.round(w * s + z), 0.0, 2.0**bits - 1)  # [G, g]
+    lead = x.shape[:-1]
+    dtype = jnp.dtype(scale_dtype or x.dtype)
+    scale = (1.0 / s).reshape(*lead, d // group).astype(dtype)
+    low = (-z / s).reshape(*lead, d // group).astype(dtype)
+    return Quantized(pack(q.reshape(x.shape), bits), scale, low, bits)
+
+
+def dequantize(qx: Quantized, dtype=jnp.float32) -> jax.Array:
+    """x_hat [..., D] = code * scale + low per group, computed in float32, returned in `dtype`."""
+    codes = unpack(qx.codes, qx.bits).astype(jnp.float32)  # [..., D]
+    groups = qx.scale.shape[-1]
+    codes = codes.reshape(*codes.shape[:-1], groups, -1)  # [..., G, g]
+    x = codes * qx.scale.astype(jnp.float32)[..., None] + qx.low.astype(jnp.float32)[..., None]
+    return x.reshape(*x.shape[:-2], -1).astype(dtype)
+
+
+def token_bytes(head_dim: int, kv_bits: KVBits, itemsize: int = 2) -> int:
+    """Bytes of one cached token's key and value for one kv head: codes plus `scale` and `low` per group
+    (`itemsize` bytes each, the cache's float dtype), or 2 * head_dim * itemsize unquantized."""
+    total = 0
+    for which in ("key", "value"):
+        bits, group = kv_bits.bits(which), kv_bits.group(which)
+        total += head_dim * itemsize if bits == 16 else head_dim * bits // 8 + 2 * (head_dim // group) * itemsize
+    return total
