@@ -75,3 +75,43 @@ def test_parse_and_validate():
         KVBits(8, 8, key_group=48).validate(128)
     with pytest.raises(ValueError, match="expected K<bits>V<bits>"):
         KVBits.parse("int8")
+
+
+@pytest.mark.parametrize("bits,group", [(8, 128), (4, 32)])
+def test_folded_scales_equal_attention_on_the_dequantized_cache(bits, group):
+    from pallas_kernels.decode_attention import decode_attention_reference
+    from vase_jax.quant_attention import merge, quantized_partials
+
+    b, h, g, slots, d = 2, 2, 3, 80, 128
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (b, h, g, d), jnp.float32)
+    k = quantize(jax.random.normal(kk, (b, h, slots, d), jnp.float32), bits, group, scale_dtype=jnp.float32)
+    v = quantize(jax.random.normal(kv, (b, h, slots, d), jnp.float32) * 2, bits, group, scale_dtype=jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, h, slots)).at[:, 1, 7].set(-1)  # an empty slot
+    length = 70  # past one block of 64, inside the second
+    out = merge([quantized_partials(q, k, v, pos, jnp.int32(length), block=64)], jnp.float32)
+    want = decode_attention_reference(q, dequantize(k), dequantize(v), pos, length, block_size=64)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # per-row lengths: row 1 holds 0 slots (output 0), row 0 its 70
+    out = merge([quantized_partials(q, k, v, pos, jnp.array([length, 0], jnp.int32), block=64)], jnp.float32)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(out[1]) == 0)
+
+
+def test_merge_of_two_segments_is_attention_over_their_union():
+    from pallas_kernels.decode_attention import decode_attention_reference
+    from vase_jax.quant_attention import merge, quantized_partials
+
+    b, h, g, d = 1, 2, 2, 64
+    keys = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(keys[0], (b, h, g, d), jnp.float32)
+    kx = jax.random.normal(keys[1], (b, h, 48, d), jnp.float32)
+    vx = jax.random.normal(keys[2], (b, h, 48, d), jnp.float32)
+    k, v = quantize(kx, 8, 64, scale_dtype=jnp.float32), quantize(vx, 8, 64, scale_dtype=jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32), (b, h, 48))
+    # slots [0, 20) in one segment and [20, 48) in another (their pos -1 in the other)
+    first = quantized_partials(q, k, v, jnp.where(pos < 20, pos, -1), jnp.int32(48), block=16)
+    second = quantized_partials(q, k, v, jnp.where(pos >= 20, pos, -1), jnp.int32(48), block=16)
+    want = decode_attention_reference(q, dequantize(k), dequantize(v), pos, 48, block_size=16)
+    np.testing.assert_allclose(np.asarray(merge([first, second], jnp.float32)), np.asarray(want), rtol=2e-5,
+                               atol=2e-5)
