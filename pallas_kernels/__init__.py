@@ -3,6 +3,7 @@
 | operation | Triton (GPU) | Mosaic TPU | pure JAX (XLA) |
 |---|---|---|---|
 | decode attention | `decode_attention` | `decode_attention_tpu` | `decode_attention_reference` |
+| its launch parameters | `decode_tuning.decode_params` (per device kind and shape) | - | - |
 | window-attention mass | `window_mass` | `window_mass_tpu` | in `vase_jax.eviction.window_score` |
 
 `get_decode_attention(impl)` / `get_window_mass(impl, xla)` return the implementation for `impl` (see
@@ -15,20 +16,26 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
+from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning, current_device_kind, decode_params
 from pallas_kernels.dispatch import IMPLS, check_impl, per_device, select
 from pallas_kernels.eviction_scores import window_mass
 from pallas_kernels.eviction_scores_tpu import window_mass_tpu
 
 __all__ = [
     "IMPLS",
+    "DecodeParams",
+    "DecodeTuning",
     "check_impl",
+    "current_device_kind",
     "decode_attention",
     "decode_attention_reference",
     "decode_attention_tpu",
+    "decode_params",
     "get_decode_attention",
     "get_window_mass",
     "select",
@@ -39,8 +46,9 @@ __all__ = [
 
 def get_decode_attention(impl: str = "auto", **kernel_options) -> Callable:
     """f(q, k, v, pos, length, layer=None) for `impl`; `kernel_options` (e.g. `block_size`) go to every
-    implementation (each ignores the options of the others). `layer`: attend over that layer of a cache stacked
-    over layers (k, v [layers, batch, kv_heads, capacity, head_dim]) without copying it out."""
+    implementation (each ignores the options of the others). `length`: a scalar for every row or [batch] one per
+    row. `layer`: attend over that layer of a cache stacked over layers (k, v [layers, batch, kv_heads, capacity,
+    head_dim]) without copying it out."""
 
     def bind(fn: Callable, **fixed) -> Callable:
         def call(q, k, v, pos, length, *layer):  # layer, when given, is a traced positional argument
@@ -62,7 +70,8 @@ def get_decode_attention(impl: str = "auto", **kernel_options) -> Callable:
         rows_heads = P("data", "model")  # q [batch, kv_heads, group, head_dim], the output likewise
         kv = P(*((None,) if layer is not None else ()), "data", "model")  # [(layers,) batch, kv_heads, slots, ...]
         args = (q, k, v, pos, length) + (() if layer is None else (layer,))
-        specs = (rows_heads, kv, kv, kv, P()) + (() if layer is None else (P(),))
+        lengths = P("data") if jnp.ndim(length) else P()  # one per row: each device gets its rows' lengths
+        specs = (rows_heads, kv, kv, kv, lengths) + (() if layer is None else (P(),))
         return per_device(chosen, specs, rows_heads)(*args)
 
     return attend

@@ -2,7 +2,7 @@
 
 Same math and the same reference (`decode_attention_reference`): for row b, kv head h and group member g,
 
-    s_j = scale * q[b,h,g] . k[b,h,j]     for the valid slots j: j < length and pos[b,h,j] >= 0
+    s_j = scale * q[b,h,g] . k[b,h,j]     for the valid slots j: j < length[b] and pos[b,h,j] >= 0
     out = sum_j softmax(s)_j v[b,h,j]     float32 accumulation, cast back to q's dtype
     out = 0                               when no slot of the row is valid (never NaN)
 
@@ -13,10 +13,11 @@ rows in float32, 16 in bfloat16: a bf16 tile packs two rows per sublane), so K a
 
 Grid (batch, kv_heads, blocks): the block axis is the online-softmax reduction ("arbitrary"), the others are
 independent ("parallel", split across the TensorCores of a megacore chip). The pipeline fetches block
-min(i, last) where last = ceil(length / block_size) - 1 is the last block holding a slot < length; Pallas'
-TPU pipeline issues no copy when a block index repeats, so the grid steps past `length` neither read memory
-nor compute (`pl.when`). `length` (and `layer`, for a cache stacked over layers) reach the index maps as
-scalar-prefetch arguments (SMEM).
+min(i, last) where last = ceil(length[b] / block_size) - 1 is row b's last block holding a slot < length[b];
+Pallas' TPU pipeline issues no copy when a block index repeats, so the grid steps past a row's own length
+neither read memory nor compute (`pl.when`). `length` is a scalar for every row or [batch] one per row (a scalar
+is broadcast to every row, so both give identical results); the per-row lengths and `layer` (for a cache stacked
+over layers) reach the index maps as one scalar-prefetch array (SMEM, [batch + 1] int32).
 
 Per step, with running max m, sum l and accumulator acc in VMEM scratch (m and l replicated over 128 lanes):
 
@@ -45,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.decode_attention import _check_args as check_decode_args
-from pallas_kernels.decode_attention import stored_as
+from pallas_kernels.decode_attention import row_lengths, stored_as
 from pallas_kernels.tpu_common import LANES, dot_precision, lanes_to, sublane_multiple
 
 DEFAULT_BLOCK_SIZE_TPU = 1024  # 2 x 256 KiB of bf16 K and V per grid step: amortizes the ~0.35 us cost of a step
@@ -60,7 +61,7 @@ def _check_args(q, k, v, pos, length, block_size: int, layer=None) -> None:
 
 
 def _decode_kernel(
-    scalars_ref,  # SMEM [2] int32 (scalar prefetch): length, layer
+    scalars_ref,  # SMEM [batch + 1] int32 (scalar prefetch): length per row, then layer
     q_ref,  # [rows, head_dim]
     k_ref,  # [block, head_dim]
     v_ref,  # [block, head_dim]
@@ -75,7 +76,7 @@ def _decode_kernel(
     i = pl.program_id(2)
     block = k_ref.shape[0]
     head_dim = k_ref.shape[1]
-    length = scalars_ref[0]
+    length = scalars_ref[pl.program_id(0)]
 
     @pl.when(i == 0)
     def _init():
@@ -127,13 +128,13 @@ def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret):
     rows = sublane_multiple(group, q.dtype)
     q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [batch, kv_heads, rows, head_dim]
     pos5 = pos.astype(jnp.int32).reshape(layers, batch, kv_heads, 1, capacity)  # [layers, batch, kv_heads, 1, cap]
-    scalars = jnp.stack(
-        [jnp.clip(jnp.asarray(length, jnp.int32), 0, capacity), jnp.asarray(layer, jnp.int32)]
-    )  # [2]: length, layer
+    scalars = jnp.concatenate(
+        [row_lengths(length, batch, capacity), jnp.asarray(layer, jnp.int32).reshape(1)]
+    )  # [batch + 1]: length per row, layer
 
     def kv_index(b, h, i, scalars_ref):
-        last = jnp.maximum(lax.div(scalars_ref[0] + (block - 1), block) - 1, 0)  # last block with a slot < length
-        return scalars_ref[1], b, h, jnp.minimum(i, last), 0
+        last = jnp.maximum(lax.div(scalars_ref[b] + (block - 1), block) - 1, 0)  # row b's last block in use
+        return scalars_ref[batch], b, h, jnp.minimum(i, last), 0
 
     def pos_index(b, h, i, scalars_ref):
         layer, b, h, j, _ = kv_index(b, h, i, scalars_ref)
@@ -186,7 +187,8 @@ def decode_attention_tpu(
       k, v: [batch, kv_heads, capacity, head_dim], same dtype as q (bfloat16 or float32), or for a 16-bit q
         its bits as uint16 (`holds_bits_of`).
       pos: [batch, kv_heads, capacity] int32, -1 marks an empty slot.
-      length: int32 scalar, slots in use (shared by all rows); no block past `length` is read.
+      length: int32, slots in use: a scalar for every row or [batch] one per row; no block past a row's own
+        length is read.
       block_size: slots per grid step, a multiple of 128 (a cache of at most `block_size` slots is one block).
       scale: logit scale, default head_dim ** -0.5.
       interpret: False (compiled for TPU), `pltpu.InterpretParams()` (TPU interpret mode on CPU) or True.

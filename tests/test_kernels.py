@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import dispatch
+from pallas_kernels import decode_tuning, dispatch
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
 from pallas_kernels.eviction_scores import window_mass
@@ -45,7 +45,7 @@ def _np_decode(q, k, v, pos, length, block_mask=None, block_size=None):
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     pos = np.asarray(pos)
     capacity = k.shape[2]
-    valid = (pos >= 0) & (np.arange(capacity) < length)  # [b, h, c]
+    valid = (pos >= 0) & (np.arange(capacity) < np.reshape(length, (-1, 1, 1)))  # [b, h, c]; length: scalar or [b]
     if block_mask is not None:
         valid &= np.repeat(np.asarray(block_mask), block_size, axis=2)[:, :, :capacity]
     k = np.where(valid[..., None], k, 0.0)  # slots past length may hold garbage
@@ -213,11 +213,134 @@ class TestDecodeAttentionKernel:
             decode_attention(
                 q, k, v, pos, n, block_size=16, block_mask=jnp.ones((1, 1, 3), bool), interpret=self.INTERPRET
             )
+        with pytest.raises(ValueError, match="num_warps=3"):
+            decode_attention(q, k, v, pos, n, num_warps=3, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="num_stages=0"):
+            decode_attention(q, k, v, pos, n, num_stages=0, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match=r"length has shape \(2,\)"):
+            decode_attention(q, k, v, pos, jnp.ones(2, jnp.int32), interpret=self.INTERPRET)
+
+    # (length, num_splits) over 16-slot blocks of a 256-slot cache: 5 used blocks dealt to 8 splits (3 hold only
+    # padding), to 3 splits (5 is not a multiple of 3), and a length that ends inside the first block (one split
+    # in use, the other 3 empty)
+    @pytest.mark.parametrize("length,num_splits", [(70, 8), (70, 3), (9, 4)])
+    def test_splits_past_the_used_blocks(self, length, num_splits):
+        q, k, v, pos, n = _decode_inputs(20, 2, 2, 4, 64, 256, length, "float32", empty_rows=((1, 1),))
+        out = decode_attention(q, k, v, pos, n, block_size=16, num_splits=num_splits, interpret=self.INTERPRET)
+        assert np.all(np.isfinite(np.asarray(out)))
+        assert _rel_err(out, _np_decode(q, k, v, pos, length)) <= 1e-5
+        assert _rel_err(out, decode_attention_reference(q, k, v, pos, n, block_size=16)) <= 1e-5
+        assert np.all(np.asarray(out[1, 1]) == 0.0)  # all slots empty (pos -1) beside normal rows: 0, not NaN
+
+    def test_per_row_lengths(self):
+        # one length per row: a row at 0, one ending mid-block, one at the capacity; NaN keys and values (and
+        # valid-looking positions) past each row's own length must not leak into its output
+        lengths = np.array([0, 37, 160], np.int32)
+        q, k, v, pos, _ = _decode_inputs(21, 3, 2, 5, 64, 160, 160, "float32", empty_rows=((2, 0),))
+        dirty = np.arange(160)[None, None, :, None] >= lengths[:, None, None, None]  # [b, 1, c, 1]
+        k_nan, v_nan = (jnp.where(dirty, jnp.nan, x) for x in (k, v))
+        kw = dict(block_size=16, num_splits=3, interpret=self.INTERPRET)
+        out = decode_attention(q, k_nan, v_nan, pos, jnp.asarray(lengths), **kw)
+        assert np.all(np.isfinite(np.asarray(out)))
+        assert _rel_err(out, _np_decode(q, k, v, pos, lengths)) <= 1e-5
+        assert _rel_err(out, decode_attention_reference(q, k, v, pos, jnp.asarray(lengths), block_size=16)) <= 1e-5
+        assert np.all(np.asarray(out[0]) == 0.0) and np.all(np.asarray(out[2, 0]) == 0.0)
+        # equal lengths as a vector and as a scalar: the same program, the same bits
+        np.testing.assert_array_equal(
+            np.asarray(decode_attention(q, k, v, pos, jnp.full((3,), 100, jnp.int32), **kw)),
+            np.asarray(decode_attention(q, k, v, pos, jnp.int32(100), **kw)))
+
+    def test_tuned_defaults_and_capacity(self):
+        # launch parameters from the table (H200 rules; 16-slot blocks so that the tiny cache has several), in two
+        # caches of different capacities holding the same slots: the split count may differ (it is bounded by the
+        # capacity), which splits hold which blocks does not, so the results are bit-identical
+        q, k, v, pos, n = _decode_inputs(22, 2, 2, 4, 64, 256, 200, "float32")
+        k2, v2 = (jnp.concatenate([x, jnp.full_like(x, jnp.nan)], axis=2) for x in (k, v))
+        pos2 = jnp.concatenate([pos, jnp.zeros_like(pos)], axis=2)
+        out = decode_attention(q, k, v, pos, n, block_size=16, interpret=self.INTERPRET)
+        out2 = decode_attention(q, k2, v2, pos2, n, block_size=16, interpret=self.INTERPRET)
+        assert _rel_err(out, _np_decode(q, k, v, pos, 200)) <= 1e-5
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
 
 
 @pytest.mark.slow
 class TestDecodeAttentionKernelInterpret(TestDecodeAttentionKernel):
     INTERPRET = True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decode attention: the launch parameters (pallas_kernels.decode_tuning)
+# ------------------------------------------------------------------------------------------------------------
+class TestDecodeTuning:
+    SHAPE = dict(kv_heads=8, head_dim=128, capacity=4096, dtype=jnp.bfloat16)
+
+    def params(self, batch=16, group=5, kind="NVIDIA H200", **kw):
+        return decode_tuning.decode_params(batch=batch, group=group, device_kind=kind, **(self.SHAPE | kw))
+
+    def test_known_kind(self):
+        entry = decode_tuning.TABLE[("NVIDIA H200", 128, 5, "bfloat16")]
+        p = self.params()
+        assert (p.block_size, p.num_warps, p.num_stages) == (entry.block_size, entry.num_warps, entry.num_stages)
+        assert p.num_splits == entry.splits_for(16, 8, 4096, 132) > 1
+        assert p.min_blocks_per_split == entry.min_blocks_per_split
+        # more splits for fewer (row, kv head) pairs; none once batch 128 x 8 kv heads fills the device
+        assert self.params(batch=1).num_splits >= p.num_splits >= self.params(batch=128).num_splits == 1
+        # no split gets fewer than min_blocks_per_split of the capacity's blocks
+        assert self.params(batch=1, capacity=256).num_splits == 1
+        assert self.params(kind="NVIDIA H100 80GB HBM3") == p  # Hopper kinds share the H200 rows
+        assert self.params(group=7) == self.params(group=7, kind="NVIDIA GH200 480GB")  # any-group row
+
+    def test_unknown_kind(self):
+        generic = decode_tuning.GENERIC
+        p = self.params(kind="NVIDIA A100-SXM4-80GB")
+        assert (p.block_size, p.num_warps, p.num_stages) == (generic.block_size, generic.num_warps,
+                                                             generic.num_stages)
+        assert p.num_splits == generic.splits_for(16, 8, 4096, 108)  # its own SM count
+        assert decode_tuning.sm_count("Some Future GPU") is None
+        future = self.params(kind="Some Future GPU")
+        assert future.num_splits == generic.splits_for(16, 8, 4096, decode_tuning.FALLBACK_SM_COUNT)
+        assert self.params(head_dim=64, kind="NVIDIA H200").block_size == generic.block_size  # no such row
+
+    def test_explicit_values_win(self):
+        p = self.params(block_size=128, num_splits=3, num_warps=8, num_stages=4)
+        assert p == decode_tuning.DecodeParams(block_size=128, num_splits=3, num_warps=8, num_stages=4)
+        assert p.min_blocks_per_split == 1  # an explicit split count is dealt as given
+        assert self.params(capacity=100, block_size=32, num_splits=16).num_splits == 4  # the capacity's blocks
+        entry = decode_tuning.TABLE[("NVIDIA H200", 128, 5, "bfloat16")]
+        assert self.params(block_size=256).num_splits == min(  # the rule, with the given block size
+            entry.max_splits, max(1, round(entry.programs_per_sm * 132 / 128)),
+            4096 // 256 // entry.min_blocks_per_split)
+
+    @pytest.mark.parametrize("name,value", [("block_size", 24), ("block_size", 8), ("num_splits", 0),
+                                            ("num_warps", 3), ("num_warps", 64), ("num_stages", 0)])
+    def test_rejects_bad_values(self, name, value):
+        with pytest.raises(ValueError, match=f"{name}={value} must be"):
+            self.params(**{name: value})
+        fields = dict(block_size=64, num_splits=2, num_warps=4, num_stages=2) | {name: value}
+        with pytest.raises(ValueError, match=f"{name}={value} must be"):
+            decode_tuning.DecodeParams(**fields)
+        with pytest.raises(ValueError, match="programs_per_sm=0"):
+            decode_tuning.DecodeTuning(programs_per_sm=0)
+
+    def test_device_kind_while_tracing(self):
+        if HAS_GPU:
+            assert decode_tuning.current_device_kind() == jax.devices()[0].device_kind
+            pytest.skip("with a GPU attached, lowering_target installs no abstract device")
+        assert decode_tuning.current_device_kind() == decode_tuning.DEFAULT_DEVICE_KIND  # no GPU here: an H200
+        # lowered for another kind: its table row and SM count (A100: 108 SMs -> 7 splits at batch 16 x 8 kv
+        # heads; the H200: 132 -> 8), seen in the shape of the partials
+        args = (jax.ShapeDtypeStruct((16, 8, 5, 128), jnp.bfloat16),
+                *[jax.ShapeDtypeStruct((16, 8, 4096, 128), jnp.bfloat16)] * 2,
+                jax.ShapeDtypeStruct((16, 8, 4096), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.int32))
+        texts = {}
+        for kind in ("NVIDIA H200", "NVIDIA A100-SXM4-80GB"):
+            with dispatch.lowering_target("cuda", device_kind=kind):
+                assert decode_tuning.current_device_kind() == kind
+                splits = self.params(kind=kind).num_splits
+                texts[splits] = jax.jit(decode_attention).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for splits, text in texts.items():
+            assert f"tensor<16x8x{splits}x5x128xf32>" in text
+        assert len(texts) == 2
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -279,6 +402,16 @@ class TestDecodeAttentionReference:
         }
         assert not cache_shapes & set(_materialized_shapes(hlo))
 
+    def test_per_row_lengths(self):
+        q, k, v, pos, _ = _decode_inputs(23, 3, 2, 4, 64, 100, 100, "float32")
+        lengths = jnp.array([100, 0, 41], jnp.int32)
+        out = decode_attention_reference(q, k, v, pos, lengths, block_size=32)
+        assert _max_err(out, _np_decode(q, k, v, pos, np.asarray(lengths))) <= 1e-5
+        assert np.all(np.asarray(out[1]) == 0.0)
+        np.testing.assert_array_equal(
+            np.asarray(decode_attention_reference(q, k, v, pos, jnp.full((3,), 41, jnp.int32))),
+            np.asarray(decode_attention_reference(q, k, v, pos, jnp.int32(41))))
+
     def test_rejects_bad_arguments(self):
         q, k, v, pos, n = _decode_inputs(9, 1, 2, 2, 64, 64, 64, "float32")
         with pytest.raises(ValueError, match="pos has shape"):
@@ -289,6 +422,8 @@ class TestDecodeAttentionReference:
             decode_attention_reference(q, k.astype(jnp.bfloat16), v, pos, n)
         with pytest.raises(ValueError, match="length has shape"):
             decode_attention_reference(q, k, v, pos, jnp.ones(2, jnp.int32))
+        with pytest.raises(ValueError, match="length has dtype"):
+            decode_attention_reference(q, k, v, pos, jnp.float32(3.0))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -350,6 +485,18 @@ class TestDecodeAttentionTPUKernel:
         assert np.all(np.asarray(out) == 0.0)
         out = decode_attention_tpu(q, k, v, jnp.full_like(pos, -1), 256, block_size=128, interpret=self._interpret())
         assert np.all(np.asarray(out) == 0.0)
+
+    def test_per_row_lengths(self):
+        # a row at 0, one ending mid-block, one at the capacity: each row's grid steps stop at its own length
+        q, k, v, pos, _ = _decode_inputs(24, 3, 2, 5, 128, 384, 384, "float32")
+        lengths = jnp.array([0, 200, 384], jnp.int32)
+        out = decode_attention_tpu(q, k, v, pos, lengths, block_size=128, interpret=self._interpret())
+        assert _rel_err(out, _np_decode(q, k, v, pos, np.asarray(lengths))) <= 1e-5
+        assert np.all(np.asarray(out[0]) == 0.0)
+        kw = dict(block_size=128, interpret=self._interpret())
+        np.testing.assert_array_equal(  # equal lengths as a vector and as a scalar: the same bits
+            np.asarray(decode_attention_tpu(q, k, v, pos, jnp.full((3,), 200, jnp.int32), **kw)),
+            np.asarray(decode_attention_tpu(q, k, v, pos, jnp.int32(200), **kw)))
 
     def test_rejects_bad_arguments(self):
         q, k, v, pos, n = _decode_inputs(13, 1, 1, 2, 128, 256, 256, "float32")

@@ -19,7 +19,8 @@ def decode_attention(
     """One query token per row against the cache.
 
     q: [batch, kv_heads, group, head_dim]; k, v: [batch, kv_heads, capacity, head_dim]; pos: [batch, kv_heads,
-    capacity] (-1 = empty, masked); length: int32 scalar, slots in use (slots >= length are never read).
+    capacity] (-1 = empty, masked); length: int32, slots in use, a scalar for every row or [batch] one per row
+    (a row's slots >= its length are masked; the kernels never read them).
     `impl` (`pallas_kernels.dispatch`): "auto" (the Pallas kernel of the platform the program is lowered for:
     Triton on cuda, Mosaic on tpu; the XLA path elsewhere), "xla", "pallas" (the platform's kernel; the Triton
     kernel in interpret mode on other platforms), "pallas_gpu" or "pallas_tpu" (that kernel family; interpret

@@ -18,8 +18,8 @@ row's step writes nothing and counts nothing). A prompt is stored without its pa
 slots [0, P_b), whatever bucket the batch was padded to, so a row's cache never depends on the other rows.
 
 Decode writes are per-row scatters at slot `length[b]` (in place inside the loop; an inactive row's write goes to
-an out-of-range slot and is dropped). The decode attention reads slots [0, max_b length[b]): a row's slots beyond
-its own length hold `pos = -1` and are masked.
+an out-of-range slot and is dropped). The decode attention reads each row's slots [0, length[b]) (the kernels
+loop over a row's own used blocks; the XLA path loops to the longest row's and masks the others).
 
 Storage: the target (`vase_jax.target.Target.cache_storage`) decides. On CPU a 16-bit float cache (`k`, `v`,
 `queries`) is stored as its bits, uint16 (`dtype` keeps the float dtype). XLA:CPU has no bfloat16
