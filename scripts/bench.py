@@ -5,6 +5,26 @@ optionally against Hugging Face transformers on the same weights; with a memory-
     python scripts/bench.py --model tiny --output-lens 64 --methods full,vase_dkv --budgets 32 --buffer 8
     python scripts/bench.py --model qwen3-0.6b --layers 4 --output-lens 32 --methods full --compare-hf
     python scripts/bench.py --model small --batch 2 --output-lens 2048,8192 --budgets 1024 --out bench_long
+    python scripts/bench.py --workload aime25 --seconds 120 --out bench_aime25      # Qwen3-14B's shape, on a GPU
+    python scripts/bench.py --workload aime25 --scale tiny --out bench_aime25_tiny  # the same code path, on a CPU
+
+--workload aime25: the AIME25 protocol of the paper (30 problems x 16 samples = 480 samples, at most 32768 tokens
+each, prompt included) on random weights of Qwen3-14B's shape, bf16, 256-token prompts, output lengths drawn from a
+log-normal (median 12k, sigma 0.5, seeded; capped at 32768 - 256), each sample ended at its drawn length by its
+cap. Per method (default vase_dkv@2048, vase_attnv@2048, full; B = 64) at the largest batch that fits the device
+(`planner.largest_batch` with the device's compiler and its allocator limit; --batch N overrides), each method is
+measured for --seconds and the whole protocol projected (`vase_jax.bench.aime25_workload`):
+
+    T = rounds * round_s + steps * step_s + slot_reads * slot_s + events * event_s
+
+rounds, steps, slot_reads (the cache slots the steps' attention reads, over rows and steps: each row up to its
+own length with the Pallas kernels, up to the longest row's on the XLA path) and events from the engine's schedule
+of the 480 drawn lengths, simulated on the host; round_s from runs that end at the prefill, the others fitted
+(non-negative least squares) to lockstep runs of doubling lengths, then checked on a continuous run. --batch N or
+--batch vase_dkv@2048=N1,full=N2 skips the search (which compiles at 3 or more sizes per method; plan beforehand
+with scripts/plan.py --batch auto on any host). --scale tiny: the tiny model, 24
+samples, 16-token prompts, 256 tokens at most, median 96, budget 32, B = 8, 6 rows (or the largest that fits
+--device-gb).
 
 `--model` is a hub id, a local HF folder, or a named random model: `tiny` (tests), `small` (long CPU runs), or
 `qwen3-0.6b`, `qwen3-4b`, ... (the packaged real configs, random weights), shrunk with `--layers` / `--vocab`.
@@ -61,6 +81,15 @@ HOW = {
     "max_new_tokens = n), timed the same way; its prefill_s is generate with max_new_tokens=1 (same cache)",
 }
 PAPER_METHODS = ("full", "snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv")
+DEFAULT_MODEL = "qwen3-0.6b"
+# --workload aime25: the defaults of each scale (flags given on the command line win)
+WORKLOADS = {"aime25": {
+    "protocol": {"model": "qwen3-14b", "dtype": "bfloat16", "methods": "vase_dkv,vase_attnv,full",
+                 "budgets": [2048], "buffer": 64, "prompt_len": vb.AIME25["prompt_len"],
+                 "samples": vb.AIME25["samples"]},
+    "tiny": {"model": "tiny", "methods": "vase_dkv,vase_attnv,full", "budgets": [32], "buffer": 8,
+             "prompt_len": vb.AIME25_TINY["prompt_len"], "samples": vb.AIME25_TINY["samples"], "batch": 6},
+}}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,11 +105,22 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _batch(text: str) -> int | dict[str, int]:
+    """N, or LABEL=N,... (per method, --workload aime25)."""
+    try:
+        if "=" not in text:
+            return int(text)
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor LABEL=N,...") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(description=__doc__ + "\n".join(f"  {k}: {v}" for k, v in HOW.items()),
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="qwen3-0.6b", help="hub id, local HF folder, or named random model")
+    a("--model", default=None, help="hub id, local HF folder, or named random model (default qwen3-0.6b; "
+      "aime25: qwen3-14b, tiny)")
     a("--layers", type=int, default=None, help="named random models: number of layers")
     a("--vocab", type=int, default=None, help="named random models: vocabulary size")
     a("--hidden", type=int, default=None, help="named random models: hidden size (heads unchanged)")
@@ -91,14 +131,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       help="only compile generate per method and budget (the first --output-lens): compile seconds and "
            "Compiled.memory_analysis() temporaries, no timed runs")
     a("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 (CPU), bfloat16 (GPU)")
-    a("--batch", type=int, default=4)
-    a("--prompt-len", type=int, default=128, help="random prompt tokens per row")
+    a("--batch", type=_batch, default=None, help="rows (default 4); --workload aime25: the largest that fits per "
+      "method (default), N for every method, or LABEL=N,... (e.g. vase_dkv@2048=187,full=19; the others fit)")
+    a("--prompt-len", type=int, default=None, help="random prompt tokens per row (default 128; aime25: 256)")
     a("--output-lens", type=_ints, default=[1024], help="comma list: new tokens per row")
-    a("--methods", default="full,vase_attnv,vase_dkv",
-      help="comma list (full and vj.eviction.METHODS: snapkv, rkv, rkv_official, curdkv, vase_attnv, vase_dkv, h2o, "
+    a("--methods", default=None,
+      help="default full,vase_attnv,vase_dkv (aime25: vase_dkv,vase_attnv,full); comma list (full and "
+      "vj.eviction.METHODS: snapkv, rkv, rkv_official, curdkv, vase_attnv, vase_dkv, h2o, "
       "keydiff, ablations), 'paper' (full + the five) or 'all' (full + every policy)")
-    a("--budgets", type=_ints, default=[512], help="comma list of budgets N (eviction methods)")
-    a("--buffer", type=int, default=64, help="buffer B, the eviction period")
+    a("--budgets", type=_ints, default=None, help="comma list of budgets N (eviction methods; default 512, aime25: "
+      "2048)")
+    a("--buffer", type=int, default=None, help="buffer B, the eviction period (default 64)")
     a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
     a("--repeats", type=int, default=3, help="timed runs per figure (>= 3)")
     a("--warmup", type=int, default=1, help="untimed runs after compiling, before the timed ones")
@@ -111,6 +154,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
            "drawn uniformly from [L/16, L] (L = the first --output-lens), on --batch rows, static (generate per "
            "chunk of --batch samples) vs continuous (vase_jax.batching), --repeats times alternating: median "
            "tokens/s, row utilization, evictions")
+    a("--workload", choices=("aime25",), default=None,
+      help="aime25: the AIME25 protocol's shape, measured per method for --seconds and projected (see above)")
+    a("--scale", choices=("protocol", "tiny"), default="protocol",
+      help="--workload aime25: the protocol (Qwen3-14B's shape) or its CPU-sized copy (tiny)")
+    a("--seconds", type=float, default=120.0, help="--workload aime25: measuring time per method (default 120; "
+      "the plan and the compile come on top)")
+    a("--samples", type=int, default=None, help="--workload aime25: samples (default 480; tiny 24)")
+    a("--device-gb", type=float, default=None, help="--workload aime25: device memory in GB (1e9 bytes) the batch "
+      "must fit (default: the device's allocator limit; a CPU has none: give it or --batch)")
+    a("--headroom", type=float, default=0.05, help="--workload aime25: share of the memory left free (default 0.05)")
+    a("--queue", type=int, default=None, help="--workload aime25: samples prefilled per round (default: the rows, "
+      "as batching.run); fewer hold less memory (the staged prompts and the prefill's temporaries)")
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")
@@ -122,10 +177,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     """Every check that needs no model (ValueError naming the parameter); returns the configurations."""
+    aime = WORKLOADS.get(args.workload)
+    if aime is not None:
+        if args.spread_samples or args.compile_only or args.compare_hf:
+            raise ValueError("--workload aime25 runs alone: drop --spread-samples, --compile-only and --compare-hf")
+        for name, value in aime[args.scale].items():
+            if getattr(args, name) is None and not (name == "batch" and args.device_gb is not None):
+                setattr(args, name, value)
+        if not args.seconds > 0:
+            raise ValueError(f"--seconds={args.seconds} must be > 0")
+        if args.samples < 1:
+            raise ValueError(f"--samples={args.samples} must be >= 1")
+        if not 0 <= args.headroom < 1:
+            raise ValueError(f"--headroom={args.headroom} must be in [0, 1)")
+        if args.queue is not None and args.queue < 1:
+            raise ValueError(f"--queue={args.queue} must be >= 1")
+        if args.device_gb is not None and args.device_gb <= 0:
+            raise ValueError(f"--device-gb={args.device_gb} must be > 0")
+    elif args.scale != "protocol":
+        raise ValueError("--scale applies to --workload aime25")
+    defaults = {"model": DEFAULT_MODEL, "prompt_len": 128, "methods": "full,vase_attnv,vase_dkv", "budgets": [512],
+                "buffer": 64} | ({} if aime else {"batch": 4})
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.spread_samples < 0:
         raise ValueError(f"--spread-samples={args.spread_samples} must be >= 0")
+    if isinstance(args.batch, dict) and not aime:
+        raise ValueError(f"--batch={args.batch}: rows per method apply to --workload aime25; give one int")
+    if isinstance(args.batch, dict):
+        bad = {k: v for k, v in args.batch.items() if v < 1}
+        if bad:
+            raise ValueError(f"--batch: {bad} must be >= 1")
     for name in ("batch", "prompt_len", "micro_steps", "bandwidth_mib"):
-        if getattr(args, name) < 1:
+        if isinstance(getattr(args, name), int) and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.repeats < 3:
         raise ValueError(f"--repeats={args.repeats} must be >= 3 (each figure is a median of >= 3 runs)")
@@ -152,6 +237,11 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
             raise ValueError(f"--budgets is empty but method {m!r} needs a budget")
         else:
             configs += [EvictionConfig(m, budget=n, buffer=args.buffer).validate() for n in args.budgets]
+    if isinstance(args.batch, dict):
+        labels = [vb.method_label(ev) for ev in configs]
+        unknown = sorted(set(args.batch) - set(labels))
+        if unknown:
+            raise ValueError(f"--batch: {', '.join(unknown)} not among the methods ({', '.join(labels)})")
     args.hf_caches = [c.strip() for c in args.hf_caches.split(",") if c.strip()]
     if args.compare_hf and (not args.hf_caches or set(args.hf_caches) - {"dynamic", "static"}):
         raise ValueError(f"--hf-caches={','.join(args.hf_caches)!r}; allowed: dynamic, static")
@@ -671,10 +761,110 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
     return 0
 
 
+# ---- the AIME25 protocol: measured per method, projected whole ---------------------------------------------------
+def aime25_markdown(result: dict) -> str:
+    """The table of `aime25_report` (one row per method measured so far) and how its figures are obtained."""
+    from vase_jax.planner import size
+
+    meta = result["meta"]
+    ln = meta["lengths"]
+    lines = [f"AIME25 protocol's shape: {meta['model_desc']}, {meta['dtype']}, {meta['samples']} samples, prompts of "
+             f"{meta['prompt_len']} tokens, at most {meta['total_tokens']} tokens per sample; output lengths "
+             f"log-normal (median {ln['median']}, sigma {ln['sigma']}, seed {ln['seed']}; mean {ln['mean']:.0f}, "
+             f"max {ln['max']}, {ln['at_cap']} at the cap, {ln['tokens']} tokens); device {meta['device']}; "
+             f"{meta['seconds_per_method']:.0f} s measured per method.", "",
+             "| method | rows | step ms | window tok/s | check s (predicted) | steps | utilization | tok/s "
+             "| projected wall | peak memory | rows because |", "|" + "---|" * 11]
+    for r in result["methods"]:
+        if not r["rows"]:
+            lines.append(f"| {r['label']} | 0 | - | - | - | - | - | - | - | - | {r['rows_reason']} |")
+            continue
+        p, c = r["protocol"], r["check"]
+        peak = "-" if r["peak_bytes"] is None else f"{size(r['peak_bytes'])} ({r['peak_source'].split()[0]})"
+        wall = f"{p['seconds'] / 60:.1f} min" if p["seconds"] >= 120 else f"{p['seconds']:.2f} s"
+        lines.append(f"| {r['label']} | {r['rows']} | {p['step_ms']:.2f} | {r['window_tok_s']:.0f} | "
+                     f"{c['seconds']:.2f} ({c['predicted_s']:.2f}) | {p['steps']} | {p['utilization']:.2f} | "
+                     f"{p['tok_s']:.0f} | {wall} | {peak} | {r['rows_reason']} |")
+    lines += ["", f"Projection: {meta['formula']}; slot_reads counted as the attention bounds a row here: "
+              f"{meta['attention_reads']!r} ('own': each row up to its own length, the Pallas kernels; 'longest': "
+              "every row up to the longest row's, the XLA path).", "",
+              "Per method: the fitted seconds (round_s, step_s, slot_s, event_s), compile and plan seconds, and "
+              "whether the simulated schedules equal the engine's:", ""]
+    for r in result["methods"]:
+        if r["rows"]:
+            m = r["model"]
+            lines.append(f"- {r['label']}: round {m['round_s'] * 1e3:.1f} ms, step {m['step_s'] * 1e3:.3f} ms, "
+                         f"slot {m['slot_s'] * 1e9:.3f} ns, event {m['event_s'] * 1e3:.3f} ms; compile "
+                         f"{r['compile_s']:.1f} s, plan {r['plan_s']:.1f} s; {len(r['windows'])} windows up to "
+                         f"{r['windows'][-1]['length']} tokens"
+                         f"{'' if r['steady'] else ' (none reached an eviction: event cost not measured)'}; "
+                         f"schedules match the engine: {r['schedules_match_engine']}")
+    lines += ["", "How each figure is obtained:", ""] + [f"- `{k}`: {v}" for k, v in AIME25_HOW.items()]
+    return "\n".join(lines) + "\n"
+
+
+AIME25_HOW = {
+    "rows": "--batch, or planner.largest_batch on the device (its compiler, its allocator limit or --device-gb, less "
+    "--headroom), at most the samples: the reason is in the last column",
+    "step ms": "(T - rounds * round_s) / steps of the projected protocol: the mean decode step",
+    "window tok/s": "rows * L / seconds of the longest lockstep window (rows samples of L tokens, one round)",
+    "check s": "a continuous run of min(samples, 3 * rows) drawn samples, lengths scaled to the time left, "
+    "measured (and predicted by the fitted model)",
+    "steps, utilization": "the engine's schedule of the drawn lengths, simulated (vase_jax.bench.simulate_engine): "
+    "decode steps, and the samples' decode row-steps / (rows * steps)",
+    "tok/s, projected wall": "tokens / T and T, T from the projection's formula (results.json also holds T with "
+    "slot_reads counted the other way: protocol.seconds_if_own / seconds_if_longest)",
+    "peak memory": "the device's memory_stats() peak_bytes_in_use after the method (the process's peak so far), "
+    "else the plan's total (planner.EnginePlan)",
+}
+
+
+def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """--workload aime25: `vb.aime25_workload`, writing results.json / results.md under --out after each method."""
+    shape = vb.AIME25 if args.scale == "protocol" else vb.AIME25_TINY
+    result = {"meta": {}, "methods": []}
+
+    def write(so_far: dict):
+        result.update(meta=so_far["meta"] | result["meta"], methods=so_far["methods"])
+        write_results(args.out, result, aime25_markdown(result))
+
+    kwargs = dict(seconds_per_method=args.seconds, batch=args.batch, samples=args.samples,
+                  prompt_len=args.prompt_len, total_tokens=shape["total_tokens"], median=shape["median"],
+                  sigma=shape["sigma"], seed=args.seed, headroom=args.headroom,
+                  device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9), queue=args.queue,
+                  attention_impl=args.attention_impl, layer_loop=args.layer_loop)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    result["meta"] = {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model_desc": model_desc,
+                      "device": device_desc(), "cpu_model": vb.cpu_model(), "jax": jax.__version__,
+                      "allocator_limit_bytes": (stats or {}).get("bytes_limit"),
+                      "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                      "load_start": [round(x, 2) for x in load_start], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        out = vb.aime25_workload(model, configs, on_method=write, log=lambda m: print(m, flush=True), **kwargs)
+    except ValueError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    result.update(meta=out["meta"] | result["meta"] | {"load_end": [round(x, 2) for x in os.getloadavg()]},
+                  methods=out["methods"])
+    text = aime25_markdown(result)
+    print(text)
+    write_results(args.out, result, text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         configs = check_args(args)
+        if args.workload == "aime25":  # the batch fills the device: let JAX's allocator have most of it
+            os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+            from vase_jax.planner import device_memory
+
+            if (not isinstance(args.batch, int) and args.device_gb is None and
+                    device_memory(jax.devices()[0]) is None):
+                raise ValueError(f"--workload aime25: the {jax.devices()[0].platform} device reports no memory size "
+                                 "to fit the batch to: give --batch or --device-gb")
         dtype = getattr(jnp, args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
         if args.compare_hf:
             import torch  # noqa: F401
@@ -696,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         return compile_report(args, model, model_desc, configs, load_start)
     if args.spread_samples:
         return spread_report(args, model, model_desc, configs, load_start)
+    if args.workload == "aime25":
+        return aime25_report(args, model, model_desc, configs, load_start)
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
     ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
     bench = Bench(args, model, ids, mask)

@@ -1,8 +1,19 @@
 #!/usr/bin/env python
 """Per-device memory of generating on a mesh, before renting the devices: weights, KV cache and the compiled
-program's temporaries (`vase_jax.planner`), from the target's own compiler without the device.
+program's temporaries (`vase_jax.planner`), from the target's own compiler without the device; and the largest
+batch the continuous engine (`vase_jax.batching.run`) can run on one device.
 
     python scripts/plan.py --model qwen3-32b --mesh data=1,model=8 --batch 16 --budget 4096 --target h200
+    python scripts/plan.py --model qwen3-14b --batch auto --method vase_dkv --budget 2048 --prompt 256 \
+        --max-new-tokens 32512 --samples 480 --target h200
+
+--batch N plans `generate` (a static batch of N rows, on the mesh); with --engine it plans the continuous engine
+on N rows instead (one device). --batch auto plans the engine: the most rows whose plan fits --device-gb (default
+per target: 139 GiB for an H200, 95 GiB for a v5p; required for cpu) less --headroom, at most --max-rows or
+--samples. The engine, since it is what runs a protocol of many samples at the batch eviction makes possible:
+its rows hold a fixed cache and take the next sample when one ends; a static `generate` batch would wait for its
+longest row. The search compiles the engine at two small sizes, fits the temporaries as a + b * rows, solves,
+and compiles the answer (`planner.largest_batch`): a few compiles, each a minute or more for a 40-layer model.
 
 --target: h200 (XLA:GPU; needs `pip install "jax[cuda13-local]==<jax>"`), v5p (XLA:TPU; `pip install "jax[tpu]==<jax>"`)
 or cpu (XLA:CPU on simulated host devices).
@@ -26,7 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="qwen3-0.6b ... qwen3-32b, tiny, small, or a local folder")
     p.add_argument("--mesh", default="data=1,model=1", help="data=D,model=M (default data=1,model=1)")
-    p.add_argument("--batch", type=int, required=True, help="rows generated together (global batch)")
+    p.add_argument("--batch", type=batch_arg, required=True,
+                   help="rows generated together (global batch), or 'auto': the most the engine fits on one device")
+    p.add_argument("--engine", action="store_true",
+                   help="plan the continuous engine (vase_jax.batching.run) on --batch rows, not generate")
+    p.add_argument("--queue", type=int, help="engine: samples prefilled per round (default: the rows, as run)")
+    p.add_argument("--samples", type=int, help="--batch auto: the samples to run (the batch is at most this)")
+    p.add_argument("--max-rows", type=int, default=512, help="--batch auto: the most rows considered (default 512)")
+    p.add_argument("--headroom", type=float, default=0.05,
+                   help="--batch auto: share of the device's memory left free (default 0.05)")
     p.add_argument("--method", default="vase_attnv", help="eviction method, or 'full' (default vase_attnv)")
     p.add_argument("--budget", type=int, default=4096, help="KV budget N (default 4096)")
     p.add_argument("--buffer", type=int, default=64, help="eviction buffer B (default 64)")
@@ -36,9 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="h200", choices=("h200", "v5p", "cpu"),
                    help="whose compiler plans the program: an H200's (default), a TPU v5p's, or XLA:CPU's")
     p.add_argument("--no-compile", action="store_true", help="weights and cache only (no compile)")
-    p.add_argument("--device-gb", type=float, help="device memory in GB: say whether the plan fits")
+    p.add_argument("--device-gb", type=float, help="device memory in GB (1e9 bytes): say whether the plan fits; "
+                   "--batch auto: what it must fit (default per target: 139 GiB h200, 95 GiB v5p)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def batch_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor 'auto'") from None
 
 
 def fail(message: str):
@@ -54,9 +83,25 @@ def main(argv=None) -> int:
         sizes = parse_mesh(args.mesh)
     except ValueError as e:
         fail(str(e))
-    for name in ("batch", "budget", "buffer", "prompt", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    auto = args.batch == "auto"
+    for name in ("batch", "budget", "buffer", "prompt", "max_new_tokens", "queue", "samples", "max_rows"):
+        value = getattr(args, name)
+        if value is not None and value != "auto" and value < 1:
+            fail(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if not 0 <= args.headroom < 1:
+        fail(f"--headroom={args.headroom} must be in [0, 1)")
+    if args.device_gb is not None and args.device_gb <= 0:
+        fail(f"--device-gb={args.device_gb} must be > 0")
+    engine = args.engine or auto
+    if engine and sizes["data"] * sizes["model"] != 1:
+        fail(f"--mesh {args.mesh}: the continuous engine (--engine, --batch auto) runs on one device; use "
+             "--mesh data=1,model=1")
+    if auto and args.no_compile:
+        fail("--batch auto compiles the engine (its temporaries decide the batch): drop --no-compile")
+    if auto and args.target == "cpu" and args.device_gb is None:
+        fail("--batch auto --target cpu: give --device-gb (the CPU has no default memory size)")
+    if not engine and (args.queue or args.samples):
+        fail("--queue and --samples apply to the engine (--engine or --batch auto)")
     devices = sizes["data"] * sizes["model"]
     if args.target == "h200":  # the H200 plugin's checks need a driver: compile only (before jax starts)
         from vase_jax.aot import deviceless_environment
@@ -65,8 +110,8 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # the programs run nowhere; a device target's plugin only compiles
-    if args.target == "cpu" or args.no_compile:  # simulated host devices (before the backend starts); a device
-        jax.config.update("jax_num_cpu_devices", devices)  # target's devices come from its topology
+    if (args.target == "cpu" or args.no_compile) and devices > 1:  # simulated host devices (before the backend
+        jax.config.update("jax_num_cpu_devices", devices)  # starts); a device target's come from its topology
     import jax.numpy as jnp
 
     from vase_jax import aot
@@ -84,11 +129,15 @@ def main(argv=None) -> int:
     else:
         fail(f"--model={args.model!r} is neither a known config ({', '.join(named)}) nor a folder with config.json")
     try:  # the mesh against the model and the batch, before anything else
-        check_mesh(cfg, jax.sharding.AbstractMesh((sizes["data"], sizes["model"]), ("data", "model")), args.batch)
+        check_mesh(cfg, jax.sharding.AbstractMesh((sizes["data"], sizes["model"]), ("data", "model")),
+                   1 if auto else args.batch)
     except ValueError as e:
         fail(str(e))
     if args.target != "cpu" and not args.no_compile and aot.missing(args.target):
         fail(f"--target {args.target}: {aot.missing(args.target)}; or plan with --target cpu (XLA:CPU's figures)")
+    compiler = {"h200": "XLA:GPU for an H200", "v5p": "XLA:TPU for a v5p", "cpu": "XLA:CPU"}[args.target]
+    if engine:
+        return engine_main(args, cfg, compiler)
     try:
         target_devices = None if args.target == "cpu" or args.no_compile else aot.TARGETS[args.target].devices(devices)
         mesh = make_mesh(sizes["data"], sizes["model"], target_devices)
@@ -111,7 +160,6 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    compiler = {"h200": "XLA:GPU for an H200", "v5p": "XLA:TPU for a v5p", "cpu": "XLA:CPU"}[args.target]
     print(f"{args.model} on mesh data={sizes['data']},model={sizes['model']}: batch {args.batch}, {args.method} "
           f"budget {args.budget} ({plan.capacity} cache slots), per device ({compiler}):")
     for name, value in out["per_device_bytes"].items():
@@ -119,6 +167,61 @@ def main(argv=None) -> int:
     if "fits" in out:
         print(f"  fits in {args.device_gb} GB: {'yes' if out['fits'] else 'NO'}")
     return 0
+
+
+def engine_main(args, cfg, compiler: str) -> int:
+    """--engine / --batch auto: the continuous engine on one device of the target (jax is configured by main)."""
+    import jax.numpy as jnp
+
+    from vase_jax.eviction.config import EvictionConfig
+    from vase_jax.generate import GenerateConfig
+    from vase_jax.planner import largest_batch, plan_engine, size
+
+    config = GenerateConfig(max_new_tokens=args.max_new_tokens)
+    dtype = getattr(jnp, args.dtype)
+    try:
+        eviction = (EvictionConfig("full") if args.method == "full" else
+                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
+        target = "cpu" if args.no_compile else args.target  # no compile: the buffers' bytes need no compiler
+        common = dict(target=target, config=config, prompt_len=args.prompt, dtype=dtype, queue=args.queue)
+        if args.batch == "auto":
+            device_bytes = None if args.device_gb is None else int(args.device_gb * 1e9)
+            found = largest_batch(cfg, eviction, device_bytes=device_bytes, headroom=args.headroom,
+                                  samples=args.samples, max_rows=args.max_rows, **common)
+            plan = found.plan
+        else:
+            found, plan = None, plan_engine(cfg, args.batch, eviction, compile_program=not args.no_compile, **common)
+    except ValueError as e:
+        fail(str(e))
+    out = {"model": args.model, "target": args.target, "program": "engine", "method": args.method,
+           "budget": None if args.method == "full" else args.budget,
+           "batch": plan.rows if found is None else found.rows,
+           "plan": plan.as_dict() if plan is not None else None}
+    if found is not None:
+        out |= {"limit": found.limit, "reason": found.reason, "device_bytes": found.device_bytes,
+                "usable_bytes": found.usable, "compiled": [list(x) for x in found.compiled],
+                "compile_s": found.compile_s}
+    elif args.device_gb:
+        out["fits"] = plan.total <= args.device_gb * 1e9
+    if args.json:
+        print(json.dumps(out))
+        return 0 if out["batch"] > 0 else 1
+    label = args.method if args.method == "full" else f"{args.method}@{args.budget}"
+    print(f"{args.model}: continuous engine (batching.run), {label}, prompt {args.prompt} (bucket "
+          f"{plan.staged_slots}), {args.max_new_tokens} new tokens, {plan.capacity} cache slots per row, one "
+          f"device ({compiler}):")
+    if found is not None:
+        print(f"  batch {found.rows}: {found.reason}")
+        print(f"  compiled at {', '.join(f'{r} rows ({size(t)})' for r, t in found.compiled)} in "
+              f"{found.compile_s:.0f} s")
+    print(f"  at {plan.rows} rows, queue {plan.queue}:")
+    for name in ("weights", "state", "cache", "staged", "engine_temporaries", "stage_temporaries", "total"):
+        value = plan.as_dict()[name]
+        print(f"  {name:18s} {'-' if value is None else size(value)}{'  (part of state)' if name == 'cache' else ''}"
+              f"{'  (x2: this round and the next)' if name == 'staged' else ''}")
+    if "fits" in out:
+        print(f"  fits in {args.device_gb} GB: {'yes' if out['fits'] else 'NO'}")
+    return 0 if out["batch"] > 0 else 1
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ def script():
     (["--model", "no-such-model"], "no-such-model"),
     (["--model", "tiny", "--layers", "0"], "--layers=0"),
     (["--compare-hf", "--hf-caches", "paged"], "--hf-caches"),
+    (["--workload", "aime25", "--seconds", "0"], "--seconds=0"),
+    (["--workload", "aime25", "--spread-samples", "3"], "runs alone"),
+    (["--workload", "aime25", "--scale", "tiny", "--samples", "0"], "--samples=0"),
+    (["--scale", "tiny"], "--scale applies to --workload aime25"),
 ])
 def test_bad_input_is_one_line_error_before_any_work(script, args, needle, capsys):
     try:
@@ -220,3 +224,117 @@ def test_spread_workload_static_vs_continuous(tmp_path):
         assert r["step_ratio"] == s["steps"] / c["steps"]
         assert (s["events"] > 0 and c["events"] > 0) == (r["method"] == "vase_dkv")
     assert (tmp_path / "results.md").read_text().startswith("| method |")
+
+
+# ---- the AIME25 workload ----------------------------------------------------------------------------------------
+def test_lognormal_lengths():
+    a = vb.lognormal_lengths(4000, median=1000, sigma=0.5, cap=3000, seed=1)
+    assert a.dtype == np.int32 and a.min() >= 2 and a.max() == 3000
+    assert abs(np.median(a) / 1000 - 1) < 0.05 and 0.01 < (a == 3000).mean() < 0.03  # P(z > ln 3 / 0.5) = 1.4%
+    assert (vb.lognormal_lengths(50, median=1000, sigma=0.5, cap=3000, seed=1) == a[:50]).all()
+    protocol = vb.lognormal_lengths(480, median=12000, sigma=0.5, cap=32768 - 256, seed=0)
+    assert 5.8e6 < protocol.sum() < 7e6  # the issue's ~6M tokens per method
+    with pytest.raises(ValueError, match="cap=1"):
+        vb.lognormal_lengths(3, median=10, sigma=0.5, cap=1)
+
+
+def test_simulated_lockstep_schedule():
+    """R samples of L tokens on R rows: one round, L - 1 steps; every step reads the rows' common length; the
+    events are the row's triggers (first when P + k > N and P + k = 0 mod B)."""
+    ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
+    reads, after, triggers = vb.row_replay(ev, 16, 59)
+    sched = vb.cache_schedule(ev, 16, 60)
+    assert reads.tolist() == sched.slots_read.tolist() and after[-1] == sched.final_length
+    assert triggers.tolist() == [24, 32, 40, 48, 56] and len(triggers) == sched.events
+    s = vb.simulate_engine([60] * 3, 3, ev, 16)
+    assert (s.rounds, s.steps, s.events, s.useful_row_steps) == (1, 59, 5, 177) and s.utilization == 1.0
+    assert s.own_slot_reads == s.longest_slot_reads == 3 * int(reads.sum())
+    full = vb.simulate_engine([5, 3], 2, vj.EvictionConfig("full"), 10)
+    # row 0 reads 11, 12, 13, 14; row 1 reads 11, 12, then nothing (ended: inactive, its length 0 to the attention)
+    assert (full.steps, full.utilization) == (4, 6 / 8)
+    assert full.own_slot_reads == (11 + 12 + 13 + 14) + (11 + 12)
+    assert full.longest_slot_reads == 2 * (11 + 12 + 13 + 14)
+    assert full.slot_reads("own") == full.own_slot_reads and full.slot_reads("longest") == full.longest_slot_reads
+    assert vb.attention_reads("cuda", "auto") == "own" and vb.attention_reads("cpu", "auto") == "longest"
+
+
+def test_simulated_refills_wait_for_the_ticks():
+    """Eviction: a sample admitted at step t starts at the next multiple of B; 2 rows, queue 1: a round per
+    sample, and a free row with nothing staged ends the round."""
+    ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
+    s = vb.simulate_engine([4, 11, 3], 2, ev, 16, queue=1)
+    # round 1: sample 0 (3 steps) on row 0 at step 0; row 1 free, more waiting -> back to the host at once.
+    # round 2: sample 1 (10 steps) on row 1, waits to step 0 (0 % 8): ends at 10; sample 0 ends at 3 -> round ends.
+    # round 3: sample 2 (2 steps) on row 0 at step 3 waits to step 8, ends at 10; the drain ends at 10.
+    assert (s.rounds, s.steps, s.useful_row_steps) == (3, 10, 15)
+
+
+def test_fit_step_model_recovers_the_seconds():
+    """`full`: (steps, slot_reads) determine the seconds; eviction: past the first eviction a lockstep run's
+    slot_reads is a combination of its steps and events, so the fit is one of many that reproduce the runs and
+    predict a longer one."""
+    truth = vb.StepModel(round_s=0.5, step_s=2e-3, slot_s=1e-6, event_s=4e-3)
+    full = vj.EvictionConfig("full")
+    windows = [(s, truth.seconds(s)) for s in (vb.simulate_engine([n] * 4, 4, full, 16) for n in (32, 64, 128))]
+    fit = vb.fit_step_model(0.5, windows)
+    assert np.allclose([fit.step_s, fit.slot_s, fit.event_s], [2e-3, 1e-6, 0.0], rtol=1e-6)
+    ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
+    windows = [(s, truth.seconds(s)) for s in (vb.simulate_engine([n] * 4, 4, ev, 16) for n in (32, 64, 128, 256))]
+    fit = vb.fit_step_model(0.5, windows)
+    longer = vb.simulate_engine([1024] * 4, 4, ev, 16)
+    assert min(fit.step_s, fit.slot_s, fit.event_s) >= 0
+    assert np.isclose(fit.seconds(longer), truth.seconds(longer), rtol=1e-6)
+    # a slot term that would come out negative is left out (non-negative least squares)
+    flat = [(s, 0.5 + 1e-3 * s.steps - 1e-9 * s.own_slot_reads) for s, _ in windows]
+    fit = vb.fit_step_model(0.5, flat)
+    assert fit.slot_s == 0 and fit.step_s > 0
+
+
+def test_simulator_matches_the_engine():
+    """`simulate_engine` against `batching.run` on the tiny model: steps, events, rounds and useful row-steps, with
+    a queue smaller than the rows, and a lone row (beside its idle companion on CPU)."""
+    from vase_jax import batching
+
+    model = vj.Qwen3(vb.TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    lengths = vb.lognormal_lengths(9, median=30, sigma=0.6, cap=80, seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [tuple(int(x) for x in rng.integers(0, 1024, 16)) for _ in lengths]
+    config = vj.GenerateConfig(max_new_tokens=80, eos_token_ids=())
+    ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
+    for rows, queue in ((3, 2), (1, None)):
+        reqs = [batching.Request(p, jax.random.key(i), i, int(n))
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        stats = batching.EngineStats()
+        batching.run(model, reqs, rows=rows, config=config, eviction=ev, stats=stats, queue=queue)
+        sim = vb.simulate_engine(lengths, rows, ev, 16, queue)
+        assert (sim.steps, sim.events, sim.rounds, sim.useful_row_steps) == (
+            stats.steps, stats.events, stats.segments, stats.useful_row_steps), (rows, queue)
+
+
+def test_aime25_workload_tiny(tmp_path):
+    """--workload aime25 --scale tiny: the whole path (compile, round, windows, check, projection) in seconds; the
+    simulated schedules equal the engine's, the projection covers the drawn lengths. No timing assertions."""
+    args = ["--workload", "aime25", "--scale", "tiny", "--methods", "vase_dkv,full", "--seconds", "2", "--out",
+            str(tmp_path)]
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    lengths = vb.lognormal_lengths(24, median=96, sigma=0.5, cap=240, seed=0)
+    assert result["meta"]["lengths"]["tokens"] == int(lengths.sum())
+    assert [r["label"] for r in result["methods"]] == ["vase_dkv@32", "full"]
+    for r in result["methods"]:
+        assert r["rows"] == 6 and r["schedules_match_engine"] and r["steady"]
+        p, c = r["protocol"], r["check"]
+        assert p["tokens"] == int(lengths.sum()) and p["samples"] == 24 and 0 < p["utilization"] <= 1
+        assert p["seconds"] > 0 and p["tok_s"] > 0 and p["rounds"] == 4
+        assert c["steps"] == c["engine_steps"] and c["events"] == c["engine_events"] and c["seconds"] > 0
+        assert len(r["windows"]) >= 2 and all(w["seconds"] > 0 for w in r["windows"])
+        m = r["model"]
+        assert m["round_s"] > 0 and min(m["step_s"], m["slot_s"], m["event_s"]) >= 0
+        assert r["peak_bytes"] > 0
+        assert m["reads"] == p["reads"] == result["meta"]["attention_reads"] == "longest"  # the XLA path on CPU
+        expected = vb.StepModel(**m).seconds(vb.simulate_engine(lengths, 6, vj.EvictionConfig(
+            r["method"], budget=32, buffer=8) if r["budget"] else vj.EvictionConfig("full"), 16))
+        assert np.isclose(p["seconds"], expected) and p["seconds_if_own"] > 0
+    text = (tmp_path / "results.md").read_text()
+    assert "| method | rows |" in text and "T = rounds * round_s" in text

@@ -205,8 +205,10 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     b, t = x.shape[:2]
     if cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
-        # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ).
-        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, cache.length, attention_impl,
+        # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ),
+        # and nothing of a row that takes no token this step (finished, or waiting for its first tick).
+        lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
+        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, lengths, attention_impl,
                                layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
         if cache.state:
             cache = update_state(cache, layer, q[:, :, :, 0])
