@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       "must fit (default: the device's allocator limit; a CPU has none: give it or --batch)")
     a("--headroom", type=float, default=0.05, help="--workload aime25: share of the memory left free (default 0.05)")
     a("--queue", type=int, default=None, help="--workload aime25: samples prefilled per round (default: the rows, "
-      "as batching.run); fewer hold less memory (the staged prompts and the prefill's temporaries)")
+      "at most 64, as batching.run); fewer hold less memory (the staged prompts and the prefill's temporaries)")
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")

@@ -1,35 +1,48 @@
 """One device check: on the accelerator present (GPU or TPU), in about 8 minutes, write one JSON and one table.
 
-    python scripts/device_check.py --out device_check      # exit 0: all ran and passed, 1: something failed,
-                                                           # 2: no accelerator (nothing is run)
+    python scripts/device_check.py --out device_check      # exit 0: what ran passed (phases past the budget are
+                                                           # skipped), 1: something failed, 2: no accelerator
+
+Keep each run: copy its device_check.json and device_check.md to docs/device-runs/<date>-<device>/ and summarize
+it in docs/BENCHMARKS.md.
 
 Phases, in this order of priority, each in its own process (a TPU belongs to one process at a time; a GPU's memory is
-not preallocated), each under a cap of seconds (`CAPS`):
+not preallocated), each under a cap of seconds (`CAPS`); what does not fit the budget is reported as skipped:
   1. tests    the compiled kernel tests: tests/test_kernels.py and tests/test_kernels_generate.py without the
               interpret-mode classes (the kernels of this platform, compiled, against their references; `generate`
               with the kernels against the XLA path's greedy tokens)
-  2. lowering `generate` lowered on the device, and lowered for the device's platform by a CPU-only process
-              (JAX_PLATFORMS=cpu, `lower_generate(platforms=...)`) on this machine: the two texts must be the
-              program the device runs, so any difference is reported (Qwen3-8B geometry, 2 layers, abstract)
-  3. memory   device peak of one `generate` call (Qwen3-8B shape, bf16, batch 16, vase_dkv@2048, 2304 new
+  2. sweep    the Triton decode kernel's launch parameters (`bench_kernels.sweep_decode`) on Qwen3-14B's and 8B's
+              heads at batch 16 x 4k and 16k slots, 128 x 2k and 64 x 2080: each shape's GB/s with the table's
+              parameters and with the best found, against the read bandwidth, and the table rows to paste into
+              `pallas_kernels/decode_tuning.py` (GPU only)
+  3. workload `scripts/bench.py --workload aime25` per method, each in its own process (its own memory peak):
+              vase_dkv@2048, full and vase_attnv@2048 at the rows planned beforehand with the H200's compiler
+              (`WORKLOAD_ROWS`, `WORKLOAD_PLANS`): tokens/s, utilization, the protocol's projected wall time, and
+              the device's peak beside the plan's total
+  4. events   eviction events against the decode steps between them (B = 64): `decode_benchmark` on Qwen3-14B's
+              shape at batch `EVENTS_BATCH`, vase_dkv and vase_attnv, evict ms / (B x step ms)
+  5. memory   device peak of one `generate` call (Qwen3-8B shape, bf16, batch 16, vase_dkv@2048, 2304 new
               tokens: a few eviction events) against weights + cache + 2 GiB
-  4. decode   a Qwen3-8B-shaped random model in bfloat16 at batch 16: decode tokens/s at 4k and 16k generated
+  6. decode   a Qwen3-8B-shaped random model in bfloat16 at batch 16: decode tokens/s at 4k and 16k generated
               tokens for full, vase_dkv and vase_attnv at N = 2048 (B = 64). Each figure times `decode_step`s in a
               compiled loop on a cache holding what `generate` holds at that point (full: prompt + tokens slots;
               eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
               bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth); with the platform's
-              layer loop (`vase_jax.target`: unrolled on GPUs and TPUs), and vase_dkv at 16k once more with the
-              other loop (switched: a `lax.switch` per matmul; does a device conditional cost more than unrolled
-              code?)
-  5. kernels  scripts/bench_kernels.py: decode attention and window scores, XLA vs the platform's kernel, GB/s
-              against the device's measured copy bandwidth, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
-  6. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape in bfloat16, batch
-              16, 64 samples with output lengths uniform over [32, 512], vase_dkv at N = 128
+              layer loop, and vase_dkv at 16k once more with the other loop
+  7. lowering `generate` lowered on the device, and lowered for the device's platform by a CPU-only process
+              (JAX_PLATFORMS=cpu, `lower_generate(platforms=...)`): any difference is reported
+  8. kernels  scripts/bench_kernels.py with the table's parameters: decode attention and window scores, XLA vs the
+              platform's kernel, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
+  9. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape, batch 16
+
+With the default budget (470 s) phases 1-4 fit (issue 25's figures); run the others with `--skip
+tests,sweep,workload,events` in another lease.
 
 Targets (benchmark goals, not pass/fail of this script), reported in the table: the decode kernel at >= 70% of the
-copy bandwidth at batch 16 and 4k-16k slots; the vase_dkv@2048 decode step at 16k at >= 0.75 of its bytes bound;
-vase_dkv vs full decode tokens/s at 16k >= 2.3x (bytes bound 2.70x); device peak <= weights + cache + 2 GiB; the
-device's lowering equals the CPU host's.
+read bandwidth at batch 16 x 4k-16k slots and at batch 128 x 2k slots; eviction events <= 3% of the decode time
+between them (vase_dkv, vase_attnv); the AIME25 protocol's projected wall time for vase_dkv@2048 <= 30 minutes
+(full's beside it); the vase_dkv@2048 decode step at 16k at >= 0.75 of its bytes bound; vase_dkv vs full decode
+tokens/s at 16k >= 2.3x; device peak <= weights + cache + 2 GiB; the device's lowering equals the CPU host's.
 
 Each phase has a time budget (`--budget-s` in all); a phase that runs out is stopped and reported as such, and the
 decode phase writes each figure as soon as it has it, so a stopped run still reports what it measured.
@@ -48,7 +61,26 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
-CAPS = {"tests": 80, "lowering": 70, "memory": 90, "decode": 170, "kernels": 50, "spread": 60}
+CAPS = {"tests": 45, "sweep": 70, "workload": 260, "events": 70, "memory": 60, "decode": 120, "lowering": 50,
+        "kernels": 40, "spread": 50}
+# The workload phase: the rows of each method, planned beforehand on a CPU host with the H200's compiler (no
+# device time), for a device whose allocator may use 0.95 of its memory (`bench.py` sets
+# XLA_PYTHON_CLIENT_MEM_FRACTION), 141 GB less 5%:
+#   python scripts/plan.py --model qwen3-14b --batch auto --method M --budget 2048 --prompt 256 \
+#       --max-new-tokens 32512 --samples 480 --target h200 --device-gb 141
+# (2026-12-02, jax 0.10.2: 117-128 s of compiling per method on this 2-core host)
+WORKLOAD_ROWS = {"vase_dkv@2048": 275, "full": 18, "vase_attnv@2048": 228}
+WORKLOAD_PLANS = {  # the plans' figures (GiB), beside the measured peak in the report
+    "vase_dkv@2048": dict(total_gib=124.70, weights_gib=27.51, state_gib=89.39, staged_gib=2.52,
+                          engine_temporaries_gib=2.23, stage_temporaries_gib=2.76, queue=64),
+    "full": dict(total_gib=122.41, weights_gib=27.51, state_gib=90.71, staged_gib=0.71,
+                 engine_temporaries_gib=0.01, stage_temporaries_gib=2.77, queue=18),
+    "vase_attnv@2048": dict(total_gib=124.42, weights_gib=27.51, state_gib=79.68, staged_gib=4.08,
+                            engine_temporaries_gib=1.86, stage_temporaries_gib=9.07, queue=64),
+}
+WORKLOAD_SHARE = {"vase_dkv@2048": 0.42, "full": 0.29, "vase_attnv@2048": 0.29}  # of the workload's cap
+WORKLOAD_SETUP_S = 60  # per method: process start, the model's random weights, the engine's two compiles
+EVENTS_BATCH = 128  # a large batch that leaves room for the benchmark's own cache (the workload's rows would not)
 
 DETECT = (
     "import json, jax; d = jax.devices()[0]; "
@@ -202,9 +234,32 @@ def decode_benchmark(
         step_bytes = weight_bytes + live * per_slot + (2 * (budget + buffer) * per_slot / buffer if ev.evicts else 0)
         bound = batch * read_bw / step_bytes
         tps = batch / step_s
+        share = entry["evict_ms"] / (buffer * entry["step_ms"]) if ev.evicts else None  # of the steps between events
         result["rows"].append({**row, **entry, "tokens_per_s": tps, "bound_tokens_per_s": bound,
-                               "achieved_over_bound": tps / bound, "bytes_per_step": step_bytes})
+                               "achieved_over_bound": tps / bound, "bytes_per_step": step_bytes,
+                               "eviction_share": share})
         save()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernel sweep (`--phase sweep`): launch parameters of the Triton decode kernel on the issue's shapes
+# ---------------------------------------------------------------------------------------------------------------
+SWEEP_SHAPES = tuple((b, 8, g, 128, n, "bfloat16") + ((cap,) if cap else ())  # Qwen3-14B (group 5), 8B (group 4)
+                     for g in (5, 4) for b, n, cap in ((16, 4096, 0), (16, 16384, 0), (128, 2048, 2112),
+                                                       (64, 2080, 2112)))
+
+
+def kernel_sweep(seconds: float, json_path: str | None = None, shapes=SWEEP_SHAPES, **kwargs) -> dict:
+    """`bench_kernels.sweep_decode` on `shapes` within `seconds`: each shape's time with the table's launch
+    parameters and with the best found, as fractions of the read bandwidth, and the table rows to paste."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_kernels
+
+    result = bench_kernels.sweep_decode(list(shapes), None, seconds, log=lambda m: print(m, flush=True), **kwargs)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
     return result
 
 
@@ -300,6 +355,21 @@ def _fmt(x, digits=1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _pct(x, digits=0) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _table_result(entry: dict) -> dict:
+    """The sweep's timing of a shape with the table's own launch parameters."""
+    return next((r for r in entry.get("results", []) if r.get("source") == "table" and "ms" in r), {})
+
+
+def _workload_record(res: dict) -> dict | None:
+    """The method's record in one workload child's results.json."""
+    methods = res.get("methods") or []
+    return methods[0] if methods and "protocol" in methods[0] else None
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# Device check: {env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}", "",
@@ -310,6 +380,49 @@ def markdown(report: dict) -> str:
     tests = report["phases"].get("tests", {})
     if tests.get("summary"):
         lines += ["", f"Tests: `{tests['summary']}`"]
+    sweep = report["phases"].get("sweep", {}).get("results")
+    if sweep:
+        lines += ["", f"## Decode kernel sweep ({sweep.get('device_kind')}, {sweep.get('sm_count')} SMs, read "
+                  f"bandwidth {_fmt(sweep.get('read_bandwidth_gb_s'), 0)} GB/s, {_fmt(sweep.get('seconds'), 0)} s)",
+                  "", "| batch | kv heads | group | slots | table ms | table % of read bw | best ms | best % | "
+                  "best params |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for entry in sweep.get("shapes", []):
+            sh, table, best = entry.get("shape", {}), _table_result(entry), entry.get("best") or {}
+            lines.append(f"| {sh.get('batch')} | {sh.get('kv_heads')} | {sh.get('group')} | {sh.get('slots')} | "
+                         f"{_fmt(table.get('ms'), 3)} | {_pct(table.get('fraction_of_read_bw'))} | "
+                         f"{_fmt(best.get('ms'), 3)} | {_pct(best.get('fraction_of_read_bw'))} | "
+                         f"{best.get('params')} |")
+        if sweep.get("table_text"):
+            lines += ["", "Table rows from the sweep (`pallas_kernels/decode_tuning.py`):", "", "```python",
+                      sweep["table_text"].rstrip(), "```"]
+    workload = report["phases"].get("workload", {}).get("results")
+    if workload:
+        lines += ["", "## AIME25 protocol's shape (Qwen3-14B, bf16, 480 samples, log-normal lengths), projected", "",
+                  "| method | rows | step ms | tok/s | utilization | projected min | peak GiB | planned GiB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for label, res in workload.items():
+            rec = _workload_record(res)
+            if rec is None:
+                lines.append(f"| {label} | {res.get('skipped', 'no result')} | | | | | | |")
+                continue
+            proto = rec.get("protocol", {})
+            planned = (res.get("planned") or {}).get("total_gib")
+            lines.append(f"| {label} | {rec.get('rows')} | {_fmt(proto.get('step_ms'), 2)} | "
+                         f"{_fmt(proto.get('tok_s'), 0)} | {_fmt(proto.get('utilization'), 2)} | "
+                         f"{_fmt(proto.get('seconds') and proto['seconds'] / 60, 1)} | "
+                         f"{_fmt(rec.get('peak_bytes') and rec['peak_bytes'] / 2**30, 2)} | {_fmt(planned, 2)} |")
+    events = report["phases"].get("events", {}).get("results")
+    if events:
+        m = events["meta"]
+        lines += ["", f"## Eviction events (Qwen3-14B shape, batch {m['batch']}, N = {m['budget']}, B = {m['buffer']})",
+                  "", "| method | step ms | evict ms/event | event / (B steps) |", "|---|---|---|---|"]
+        for r in events["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['method']} | skipped ({r['skipped']}) | | |")
+                continue
+            lines.append(f"| {r['method']} | {r['step_ms']:.2f} | {_fmt(r.get('evict_ms'), 2)} | "
+                         f"{_pct(r.get('eviction_share'), 1)} |")
     kernels = report["phases"].get("kernels", {}).get("results")
     if kernels:
         meta = kernels["meta"]
@@ -360,6 +473,31 @@ def markdown(report: dict) -> str:
 
 def targets(report: dict) -> dict[str, str]:
     out = {}
+    sweep = report["phases"].get("sweep", {}).get("results")
+    if sweep:
+        for name, want in (("batch 16, 4k-16k slots", lambda s: s["batch"] == 16 and 4096 <= s["slots"] <= 16384),
+                           ("batch 128, 2k slots", lambda s: s["batch"] == 128)):
+            rows = [e for e in sweep.get("shapes", []) if want(e.get("shape", {}))]
+            table = [_table_result(e).get("fraction_of_read_bw") for e in rows]
+            best = [(e.get("best") or {}).get("fraction_of_read_bw") for e in rows]
+            if rows and None not in table:
+                out[f"decode kernel >= 70% of the read bandwidth ({name})"] = (
+                    f"{'met' if min(table) >= 0.7 else 'not met'} with the table: lowest {100 * min(table):.0f}%"
+                    + (f"; the sweep's best: lowest {100 * min(best):.0f}%" if None not in best else ""))
+    events = report["phases"].get("events", {}).get("results")
+    if events:
+        for r in events["rows"]:
+            if r.get("eviction_share") is not None:
+                out[f"{r['method']} eviction events <= 3% of the decode time between them"] = (
+                    f"{'met' if r['eviction_share'] <= 0.03 else 'not met'}: {100 * r['eviction_share']:.1f}%")
+    workload = report["phases"].get("workload", {}).get("results") or {}
+    dkv = _workload_record(workload.get("vase_dkv@2048", {}))
+    if dkv is not None:
+        minutes = dkv["protocol"]["seconds"] / 60
+        full = _workload_record(workload.get("full", {}))
+        beside = "" if full is None else f" (full: {full['protocol']['seconds'] / 60:.1f} min at {full['rows']} rows)"
+        out["the AIME25 protocol's projected wall time, vase_dkv@2048, <= 30 min"] = (
+            f"{'met' if minutes <= 30 else 'not met'}: {minutes:.1f} min at {dkv['rows']} rows{beside}")
     kernels = report["phases"].get("kernels", {}).get("results")
     if kernels:
         rows = [r for r in kernels["results"] if r["op"] == "decode" and r["impl"] != "xla" and r["batch"] == 16
@@ -393,14 +531,124 @@ def targets(report: dict) -> dict[str, str]:
     return out
 
 
+PHASES = ("tests", "sweep", "workload", "events", "memory", "decode", "lowering", "kernels", "spread")
+
+
+def _status(phase: dict) -> str:
+    return "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
+
+
+def _results(phase: dict, path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
+            phase["results"] = json.load(f)
+    return phase
+
+
+def _save(out: str, report: dict, start: float) -> None:
+    report["seconds"] = time.time() - start
+    with open(os.path.join(out, "device_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def _child(phase: str, path: str, cap: float, extra: list[str] | None = None) -> list[str]:
+    """This script as a child process for one phase, stopping new work 20 s before its cap."""
+    return [sys.executable, "scripts/device_check.py", "--phase", phase, "--json", path,
+            "--deadline", str(time.time() + max(cap - 20, cap / 2))] + (extra or [])
+
+
+def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
+    """Run phase `name` under min(its cap, the time left); returns its report entry."""
+    cap = min(CAPS[name], remaining())
+    out = args.out
+    if name == "tests":  # the compiled kernel tests
+        other = "pallas_tpu" if env["backend"] == "gpu" else "pallas-"  # the other family would run interpreted
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+               "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other}"]
+        phase = _run(cmd, cap)
+        summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
+        return dict(phase, status="passed" if phase["rc"] == 0 else _status(phase), summary=summary)
+    if name == "sweep":  # the Triton decode kernel's launch parameters on the issue's shapes (GPU only)
+        if env["backend"] != "gpu":
+            return dict(status="skipped", rc=None, seconds=0, tail=["the sweep times the Triton kernel: GPU only"])
+        path = os.path.join(out, "sweep.json")
+        phase = _run(_child("sweep", path, cap), cap)
+        return _results(dict(phase, status=_status(phase)), path)
+    if name == "workload":  # the AIME25 protocol's shape per method, each in its own process (its own peak)
+        folder = os.path.join(out, "workload")
+        phase = dict(rc=0, seconds=0.0, tail=[], results={})
+        for label, rows in WORKLOAD_ROWS.items():
+            method, _, budget = label.partition("@")
+            share = WORKLOAD_SHARE[label] * CAPS["workload"]
+            sub = min(share, remaining())
+            if sub < 30:
+                phase["results"][label] = dict(skipped="time budget")
+                continue
+            cmd = [sys.executable, "scripts/bench.py", "--workload", "aime25", "--methods", method,
+                   "--budgets", budget or "2048", "--buffer", "64", "--batch", str(rows),
+                   "--seconds", str(round(max(sub - WORKLOAD_SETUP_S, 10))), "--no-plots",
+                   "--out", os.path.join(folder, label.replace("@", "_"))]
+            run = _run(cmd, sub)
+            phase["seconds"] += run["seconds"]
+            phase["tail"] += [f"[{label}]"] + run["tail"][-8:]
+            if run["rc"] != 0:
+                phase["rc"] = run["rc"] if phase["rc"] == 0 else phase["rc"]
+            found = os.path.join(folder, label.replace("@", "_"), "results.json")
+            if os.path.exists(found):
+                with open(found) as f:
+                    phase["results"][label] = dict(json.load(f), planned=WORKLOAD_PLANS.get(label))
+        return dict(phase, status=_status(phase))
+    if name == "events":  # eviction events against the decode steps between them (B = 64)
+        path = os.path.join(out, "events.json")
+        phase = _run(_child("events", path, cap, layers), cap)
+        return _results(dict(phase, status=_status(phase)), path)
+    if name == "memory":  # device peak of one generate call
+        path = os.path.join(out, "memory.json")
+        phase = _run([sys.executable, "scripts/device_check.py", "--phase", "memory", "--json", path] + layers, cap)
+        return _results(dict(phase, status=_status(phase)), path)
+    if name == "decode":  # the decode benchmark; it writes each figure as soon as it has it
+        path = os.path.join(out, "decode.json")
+        phase = _run(_child("decode", path, cap, layers), cap)
+        return _results(dict(phase, status=_status(phase)), path)
+    if name == "lowering":  # the device's lowering of generate against a CPU-only process's for this platform
+        platform_name = "tpu" if env["backend"] == "tpu" else "cuda"
+        texts = {where: os.path.join(out, f"lowered_{where}.txt") for where in ("device", "host")}
+        cmd = [sys.executable, "scripts/device_check.py", "--phase", "lowering", "--json"]
+        phase = _run(cmd + [texts["device"]], cap / 2)
+        host = _run(cmd + [texts["host"], "--platform", platform_name], min(cap / 2, remaining()),
+                    env={"JAX_PLATFORMS": "cpu"})
+        phase.update(status=_status(phase) if host["rc"] == 0 else "failed", host_tail=host["tail"])
+        if all(os.path.exists(t) for t in texts.values()):
+            with open(texts["device"]) as f, open(texts["host"]) as g:
+                phase["comparison"] = compare_lowerings(f.read(), g.read())
+        return phase
+    if name == "kernels":  # kernel bandwidth with the table's launch parameters, decode and window scores
+        path = os.path.join(out, "kernels.json")
+        cmd = [sys.executable, "scripts/bench_kernels.py", "--batches", "1,16", "--lengths", "1024,4096,16384",
+               "--group", "4", "--kv-heads", "8", "--repeats", "5", "--copy-mib", "8192", "--json", path]
+        phase = _run(cmd, cap)
+        return _results(dict(phase, status=_status(phase)), path)
+    if name == "spread":  # continuous vs static batching on the spread workload (scripts/bench.py)
+        folder = os.path.join(out, "spread")
+        cmd = [sys.executable, "scripts/bench.py", "--model", "qwen3-0.6b", "--dtype", "bfloat16", "--batch", "16",
+               "--prompt-len", "64", "--output-lens", "512", "--spread-samples", "64", "--methods", "vase_dkv",
+               "--budgets", "128", "--buffer", "32", "--repeats", "3", "--out", folder, "--no-plots"]
+        phase = _run(cmd, cap)
+        phase["status"] = _status(phase)
+        if os.path.exists(os.path.join(folder, "results.md")):
+            with open(os.path.join(folder, "results.md")) as f:
+                phase["table"] = f.read()
+        return phase
+    raise ValueError(f"unknown phase {name!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="device_check", help="folder for device_check.json and device_check.md")
-    p.add_argument("--budget-s", type=float, default=500.0, help="time for all phases together")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: tests, lowering, kernels, spread, "
-                   "memory, decode")
+    p.add_argument("--budget-s", type=float, default=470.0, help="time for all phases together (default 470)")
+    p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
     p.add_argument("--layers", type=int, default=None, help="decode phase: layers of the model (default: all 36)")
-    p.add_argument("--phase", choices=("decode", "lowering", "memory"), default=None,
+    p.add_argument("--phase", choices=("decode", "lowering", "memory", "sweep", "events"), default=None,
                    help=argparse.SUPPRESS)  # a child process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -409,6 +657,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.phase == "decode":
         decode_benchmark(layers=args.layers, deadline=args.deadline, json_path=args.json)
+        return 0
+    if args.phase == "events":  # eviction events against the decode steps between them (B = 64), Qwen3-14B,
+        # at the workload's batch of vase_dkv
+        decode_benchmark(model="qwen3-14b", layers=args.layers, batch=EVENTS_BATCH, lengths=(16384,),
+                         methods=("vase_dkv", "vase_attnv"), other_loop=(), repeats=2, deadline=args.deadline,
+                         json_path=args.json)
+        return 0
+    if args.phase == "sweep":
+        kernel_sweep(max(args.deadline - time.time(), 1.0), args.json)
         return 0
     if args.phase == "lowering":
         with open(args.json, "w") as f:
@@ -436,74 +693,23 @@ def main(argv: list[str] | None = None) -> int:
     env["python"] = platform.python_version()
     os.makedirs(args.out, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    platform_name = "tpu" if env["backend"] == "tpu" else "cuda"
     report = dict(started=time.strftime("%Y-%m-%d %H:%M:%S"), environment=env, phases={})
     deadline = start + args.budget_s
 
     def remaining() -> float:
         return deadline - time.time()
 
-    def status(phase: dict) -> str:
-        return "done" if phase["rc"] == 0 else ("stopped" if phase["rc"] is None else "failed")
-
-    def results(phase: dict, path: str) -> dict:
-        if os.path.exists(path):
-            with open(path) as f:
-                phase["results"] = json.load(f)
-        return phase
-
     layers = ["--layers", str(args.layers)] if args.layers else []
     # Phases in order of what matters most for the open issues; each under a cap of seconds (`CAPS`), never past
     # the overall deadline.
-    if "tests" not in skip:  # the compiled kernel tests
-        other = "pallas_tpu" if env["backend"] == "gpu" else "pallas-"  # the other family would run interpreted
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-               "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other}"]
-        phase = _run(cmd, min(CAPS["tests"], remaining()))
-        summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
-        phase.update(status="passed" if phase["rc"] == 0 else status(phase), summary=summary)
-        report["phases"]["tests"] = phase
-    if "lowering" not in skip:  # the device's lowering of generate against a CPU-only process's for this platform
-        texts = {where: os.path.join(args.out, f"lowered_{where}.txt") for where in ("device", "host")}
-        cmd = [sys.executable, "scripts/device_check.py", "--phase", "lowering", "--json"]
-        phase = _run(cmd + [texts["device"]], min(CAPS["lowering"] / 2, remaining()))
-        host = _run(cmd + [texts["host"], "--platform", platform_name], min(CAPS["lowering"] / 2, remaining()),
-                    env={"JAX_PLATFORMS": "cpu"})
-        phase.update(status=status(phase) if host["rc"] == 0 else "failed", host_tail=host["tail"])
-        if all(os.path.exists(t) for t in texts.values()):
-            with open(texts["device"]) as f, open(texts["host"]) as g:
-                phase["comparison"] = compare_lowerings(f.read(), g.read())
-        report["phases"]["lowering"] = phase
-    if "memory" not in skip:  # device peak of one generate call
-        path = os.path.join(args.out, "memory.json")
-        cmd = [sys.executable, "scripts/device_check.py", "--phase", "memory", "--json", path] + layers
-        phase = _run(cmd, min(CAPS["memory"], remaining()))
-        report["phases"]["memory"] = results(dict(phase, status=status(phase)), path)
-    if "decode" not in skip:  # the decode benchmark; it writes each figure as soon as it has it
-        path = os.path.join(args.out, "decode.json")
-        cap = min(CAPS["decode"], remaining())
-        child_deadline = time.time() + cap - 25  # the child stops starting new figures here
-        cmd = [sys.executable, "scripts/device_check.py", "--phase", "decode", "--json", path,
-               "--deadline", str(child_deadline)] + layers
-        phase = _run(cmd, cap)
-        report["phases"]["decode"] = results(dict(phase, status=status(phase)), path)
-    if "kernels" not in skip:  # kernel bandwidth
-        path = os.path.join(args.out, "kernels.json")
-        cmd = [sys.executable, "scripts/bench_kernels.py", "--batches", "1,16", "--lengths", "1024,4096,16384",
-               "--group", "4", "--kv-heads", "8", "--repeats", "5", "--copy-mib", "8192", "--json", path]
-        phase = _run(cmd, min(CAPS["kernels"], remaining()))
-        report["phases"]["kernels"] = results(dict(phase, status=status(phase)), path)
-    if "spread" not in skip:  # continuous vs static batching on the spread workload (scripts/bench.py)
-        folder = os.path.join(args.out, "spread")
-        cmd = [sys.executable, "scripts/bench.py", "--model", "qwen3-0.6b", "--dtype", "bfloat16", "--batch", "16",
-               "--prompt-len", "64", "--output-lens", "512", "--spread-samples", "64", "--methods", "vase_dkv",
-               "--budgets", "128", "--buffer", "32", "--repeats", "3", "--out", folder, "--no-plots"]
-        phase = _run(cmd, min(CAPS["spread"], remaining()))
-        phase["status"] = status(phase)
-        if os.path.exists(os.path.join(folder, "results.md")):
-            with open(os.path.join(folder, "results.md")) as f:
-                phase["table"] = f.read()
-        report["phases"]["spread"] = phase
+    for name in PHASES:
+        if name in skip:
+            continue
+        if remaining() < 5:
+            report["phases"][name] = dict(status="skipped", rc=None, seconds=0, tail=["no time left"])
+            continue
+        report["phases"][name] = run_phase(name, args, env, remaining, layers)
+        _save(args.out, report, start)  # what has run so far, in case the whole check is stopped
 
     report["seconds"] = time.time() - start
     report["targets"] = targets(report)
@@ -513,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "device_check.md"), "w") as f:
         f.write(table)
     print(table)
-    ok = all(phase.get("status") in ("passed", "done") for phase in report["phases"].values())
+    ok = all(phase.get("status") in ("passed", "done", "skipped") for phase in report["phases"].values())
     return 0 if ok else 1
 
 

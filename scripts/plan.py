@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows generated together (global batch), or 'auto': the most the engine fits on one device")
     p.add_argument("--engine", action="store_true",
                    help="plan the continuous engine (vase_jax.batching.run) on --batch rows, not generate")
-    p.add_argument("--queue", type=int, help="engine: samples prefilled per round (default: the rows, as run)")
+    p.add_argument("--queue", type=int, help="engine: samples prefilled per round (default: the rows, at most 64, "
+                   "as run)")
     p.add_argument("--samples", type=int, help="--batch auto: the samples to run (the batch is at most this)")
     p.add_argument("--max-rows", type=int, default=512, help="--batch auto: the most rows considered (default 512)")
     p.add_argument("--headroom", type=float, default=0.05,

@@ -86,3 +86,50 @@ def test_lowering_phase_on_this_host(device_check):
     cuda = device_check.lowered_text("cuda", **small)
     assert device_check.compare_lowerings(cuda, device_check.lowered_text("cuda", **small))["identical"]
     assert not device_check.compare_lowerings(cuda, device_check.lowered_text(None, **small))["identical"]
+
+
+def test_issue_25_phases_in_the_report(device_check):
+    """The sweep, workload and events phases' sections and targets, from results shaped as their producers write
+    them (bench_kernels.sweep_decode, bench.py --workload aime25, decode_benchmark's eviction_share)."""
+
+    def shape(batch, slots, table_share, best_share):
+        return dict(shape=dict(batch=batch, kv_heads=8, group=5, head_dim=128, slots=slots, dtype="bfloat16"),
+                    results=[dict(source="table", params={}, ms=1.0, fraction_of_read_bw=table_share),
+                             dict(source="launch", params={}, ms=0.8, fraction_of_read_bw=best_share)],
+                    best=dict(source="launch", params={"block_size": 128}, ms=0.8, fraction_of_read_bw=best_share))
+
+    sweep = dict(device_kind="NVIDIA H200", sm_count=132, read_bandwidth_gb_s=4190, seconds=80,
+                 shapes=[shape(16, 4096, 0.72, 0.8), shape(16, 16384, 0.75, 0.8), shape(128, 2048, 0.6, 0.71)],
+                 table_text="TABLE = {}\n")
+
+    def workload(label, rows, seconds):
+        return {"methods": [dict(label=label, rows=rows, peak_bytes=100 * 2**30,
+                                 protocol=dict(seconds=seconds, tok_s=3600.0, step_ms=30.0, utilization=0.6))],
+                "planned": dict(total_gib=98.0)}
+
+    events = dict(meta=dict(batch=64, budget=2048, buffer=64),
+                  rows=[dict(method="vase_dkv@2048", step_ms=20.0, evict_ms=25.6, eviction_share=0.02),
+                        dict(method="vase_attnv@2048", step_ms=20.0, evict_ms=51.2, eviction_share=0.04)])
+    report = dict(started="now", seconds=1.0, environment=dict(backend="gpu", device_kind="H200", jax="0", python="3"),
+                  phases=dict(sweep=dict(status="done", seconds=80, results=sweep),
+                              workload=dict(status="done", seconds=200, results={
+                                  "vase_dkv@2048": workload("vase_dkv@2048", 260, 1700.0),
+                                  "full": workload("full", 20, 9000.0),
+                                  "vase_attnv@2048": dict(skipped="time budget")}),
+                              events=dict(status="done", seconds=60, results=events)))
+    t = device_check.targets(report)
+    assert t["decode kernel >= 70% of the read bandwidth (batch 16, 4k-16k slots)"].startswith("met with the table")
+    assert t["decode kernel >= 70% of the read bandwidth (batch 128, 2k slots)"] == (
+        "not met with the table: lowest 60%; the sweep's best: lowest 71%")
+    assert t["vase_dkv@2048 eviction events <= 3% of the decode time between them"] == "met: 2.0%"
+    assert t["vase_attnv@2048 eviction events <= 3% of the decode time between them"] == "not met: 4.0%"
+    assert t["the AIME25 protocol's projected wall time, vase_dkv@2048, <= 30 min"] == (
+        "met: 28.3 min at 260 rows (full: 150.0 min at 20 rows)")
+    report["targets"] = t
+    table = device_check.markdown(report)
+    assert "| 128 | 8 | 5 | 2048 | 1.000 | 60% | 0.800 | 71% |" in table
+    assert "| vase_dkv@2048 | 260 | 30.00 | 3600 | 0.60 | 28.3 | 100.00 | 98.00 |" in table
+    assert "| vase_attnv@2048 | time budget |" in table and "| vase_attnv@2048 | 20.00 | 51.20 | 4.0% |" in table
+    assert set(device_check.PHASES) == set(device_check.CAPS)
+    assert set(device_check.WORKLOAD_ROWS) == set(device_check.WORKLOAD_SHARE)
+    assert all(rows > 0 for rows in device_check.WORKLOAD_ROWS.values())  # planned beforehand (module comment)

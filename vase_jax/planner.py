@@ -407,23 +407,39 @@ def largest_batch(cfg: Qwen3Config, eviction: EvictionConfig, *, target="h200", 
         order.append(rows)
         return plans[rows]
 
-    # state(rows) + 2 * staged(rows): exact, linear in rows (from two uncompiled plans)
+    # state(rows) + 2 * staged(queue): exact, linear in rows and in the queue used at `rows` (`queue_for`: the
+    # rows, at most 64, by default), from two uncompiled plans
     u2, u3 = (programs.plan(r, queue, compile_program=False) for r in (2, 3))  # (a lone CPU row counts as 2)
-    per_row = (u3.state + STAGED_SETS * u3.staged) - (u2.state + STAGED_SETS * u2.staged)
+    q2, q3 = programs.queue_for(2, queue), programs.queue_for(3, queue)
+    state_row = u3.state - u2.state
+    staged_row = (u3.staged - u2.staged) / (q3 - q2) if q3 != q2 else 0.0
 
     def buffers(rows: int) -> float:
-        return u2.state + STAGED_SETS * u2.staged + per_row * (max(rows, 2) - 2)
+        q = programs.queue_for(rows, queue)
+        return u2.state + state_row * (max(rows, 2) - 2) + STAGED_SETS * (u2.staged + staged_row * (q - q2))
+
+
+    def per_row_at(rows: int) -> float:
+        """Exact bytes one more row adds at `rows`: its state, and its staged prompts while the queue grows."""
+        grows = programs.queue_for(rows + 1, queue) - programs.queue_for(rows, queue)
+        return state_row + STAGED_SETS * staged_row * grows
+
+    per_row = per_row_at(2)
 
     def predict(rows: int) -> tuple[float, float, float]:
         """(total, temporaries, temporaries' slope) at `rows` from the lines through the compiled sizes."""
         points = sorted(plans.items())
         ae, be = _line([(r, p.engine_temporaries) for r, p in points])
-        if queue is None:
-            as_, bs = _line([(r, p.stage_temporaries) for r, p in points])
-        else:  # the prefill program does not depend on rows
-            as_, bs = points[-1][1].stage_temporaries, 0.0
-        te, ts = ae + be * rows, as_ + bs * rows
-        temps, slope = (te, be) if te >= ts else (ts, bs)
+        # the prefill program depends on the queue only: a line in the queue used at each size
+        by_queue = {programs.queue_for(r, queue): p.stage_temporaries for r, p in points}
+        q = programs.queue_for(rows, queue)
+        if len(by_queue) > 1:
+            as_, bs = _line(list(by_queue.items()))
+        else:
+            as_, bs = next(iter(by_queue.values())), 0.0
+        te, ts = ae + be * rows, as_ + bs * q
+        grows = bs if q == rows else 0.0  # the prefill's temporaries grow with rows only while the queue does
+        temps, slope = (te, be) if te >= ts else (ts, grows)
         return programs.weights + buffers(rows) + temps, temps, slope
 
     def solve() -> int:
@@ -467,6 +483,7 @@ def largest_batch(cfg: Qwen3Config, eviction: EvictionConfig, *, target="h200", 
                          smallest, programs.weights, per_row, 0.0, 0.0, compiled, programs.compile_s)
     plan = plans[lo]
     _, _, slope = predict(lo)
+    per_row = per_row_at(lo)
     fixed = plan.total - programs.weights - lo * (per_row + slope)
     sums = (f"weights {size(plan.weights)} + {lo} rows x (cache and buffers {size(per_row)} + temporaries "
             f"{size(slope)} per row) + {size(fixed)} fixed = {size(plan.total)} <= {room}")
