@@ -39,6 +39,15 @@ def _csv(kind):
     return parse
 
 
+def _batch_size(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vase_jax.evaluation.config import RANDOM_MODELS
 
@@ -68,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="default 0.6")
     p.add_argument("--top-p", type=float, help="default 0.95")
     p.add_argument("--top-k", type=int, help="default 0 (off)")
-    p.add_argument("--batch-size", type=int, help="rows of the batch (default: R); continuous: samples of any "
-                   "problem; static: rows per generate call, all of one problem")
+    p.add_argument("--batch-size", type=_batch_size, help="rows of the batch (default: R); continuous: samples of "
+                   "any problem; static: rows per generate call, all of one problem. 'auto' (continuous, one "
+                   "device): the most rows that fit the device, per method and budget, planned with its compiler")
     p.add_argument("--scheduler", choices=("continuous", "static"),
                    help="continuous: a row takes the next sample as soon as its sample ends (the default on one "
                    "device); static: one generate call per chunk of a problem's samples (the default, and the only "
@@ -196,6 +206,9 @@ def _mesh(cfg, sizes: dict | None):
                          f"devices; this run has {count} (over {jax.process_count()} process(es))")
     if count == 1:
         return None
+    if cfg.batch_size == "auto":
+        raise ValueError(f"--batch-size auto sizes the continuous engine, which runs on one device; this run has "
+                         f"{count} devices: give --batch-size N")
     mesh = make_mesh(sizes["data"], sizes["model"])
     model_cfg = _model_config(cfg.model)
     if model_cfg is not None:  # a hub id is checked when it is loaded (from_pretrained(mesh=))

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,10 +184,11 @@ def test_kill_and_resume_matches_uninterrupted_run(work, full_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheduler, batch_size", [("static", "2"), ("continuous", "3")])
+@pytest.mark.parametrize("scheduler, batch_size", [("static", "2"), ("continuous", "3"), ("continuous", "auto")])
 def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, scheduler, batch_size):
     """The reference run is continuous on 2 rows (problems mixed); the static scheduler (a problem's samples per
-    generate call) and 3 continuous rows give every sample the same tokens, text, grade and eviction count."""
+    generate call), 3 continuous rows and the rows `auto` plans (here: all 6 samples of a variant, the host's
+    memory being ample) give every sample the same tokens, text, grade and eviction count."""
     out = work["root"] / f"run_{scheduler}_{batch_size}"
     args = _args(work, out)
     args[args.index("--batch-size") + 1] = batch_size
@@ -199,6 +201,9 @@ def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, s
     for key, rec in records.items():
         assert {f: rec[f] for f in fields} == {f: ref[key][f] for f in fields}, key
     assert json.loads((out / "config.json").read_text())["scheduler"] == scheduler
+    if batch_size == "auto":  # each variant's rows and the planner's reason, said once
+        said = re.findall(r"--batch-size auto, (\S+): (\d+) rows \(capped at 6 rows", res.stderr)  # beside the bar
+        assert said == [("full", "6"), ("vase_attnv@32", "6")], res.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -245,6 +250,9 @@ BAD_CASES = {
     "zero samples": (BASE + ["--samples", "0"], "--samples=0 must be an integer >= 1"),
     "bad top-p": (BASE + ["--top-p", "1.5"], "top_p=1.5"),
     "zero batch size": (BASE + ["--batch-size", "0"], "--batch-size=0 must be an integer >= 1"),
+    "batch size word": (BASE + ["--batch-size", "lots"], "'lots' is neither an integer nor 'auto'"),
+    "auto static": (BASE + ["--batch-size", "auto", "--scheduler", "static"],
+                    "--batch-size auto sizes the continuous engine's batch"),
 }
 
 

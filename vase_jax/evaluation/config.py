@@ -26,6 +26,7 @@ from vase_jax.weights import ORBAX_MARKER
 RANDOM_PREFIX = "random:"
 DTYPES = ("bfloat16", "float32")
 SCHEDULERS = ("continuous", "static")
+AUTO = "auto"  # --batch-size: the most rows the device fits, per (method, budget) (`vase_jax.planner`)
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
                  "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype")
 FORMAT = 1  # bump when the records' meaning changes
@@ -50,7 +51,8 @@ class EvalConfig:
     temperature: float
     top_p: float
     top_k: int
-    batch_size: int  # rows of the batch (continuous) or per generate call (static: samples of one problem)
+    batch_size: int | str  # rows of the batch (continuous) or per generate call (static: samples of one
+    # problem); "auto" (continuous): the most rows that fit the device, per (method, budget)
     limit: int | None
     seed: int
     dtype: str
@@ -184,7 +186,12 @@ def resolve(
     _positive("samples", samples, allow_none=True)
     _positive("max-new-tokens", max_new_tokens, allow_none=True)
     _positive("max-total-tokens", max_total_tokens, allow_none=True)
-    _positive("batch-size", batch_size, allow_none=True)
+    if batch_size == AUTO:
+        if scheduler != "continuous":
+            raise ValueError("--batch-size auto sizes the continuous engine's batch; with --scheduler static give "
+                             "a number")
+    else:
+        _positive("batch-size", batch_size, allow_none=True)
     _positive("limit", limit, allow_none=True, minimum=0)
     _positive("seed", seed, allow_none=True, minimum=0)
     samples = samples or t.samples

@@ -1,5 +1,6 @@
 """The continuous scheduler of the eval: every missing sample of a (method, budget) as one stream of requests on
-`batch_size` rows (`vase_jax.batching`), problems mixed; each record is graded and written (fsynced) as soon as
+`batch_size` rows (`vase_jax.batching`; "auto": the most that fit the device, per method and budget), problems
+mixed; each record is graded and written (fsynced) as soon as
 the host sees its sample end: at the end of the engine's round, which stages `batch_size` samples.
 
 A sample is request (prompt, key = `problem_key(seed, task, problem id)`, row id = sample index, cap = its exact
@@ -12,11 +13,16 @@ batch), so that the records' seconds add up to the wall time, as under the stati
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
+import jax
+from flax import nnx
+
 import vase_jax as vj
-from vase_jax import batching
-from vase_jax.evaluation.config import EvalConfig
+from vase_jax import batching, planner
+from vase_jax.evaluation.config import AUTO, EvalConfig
 from vase_jax.evaluation.records import RecordStore, make_record, problem_key
 from vase_jax.tasks import Problem, get_task
 
@@ -44,17 +50,51 @@ def run_continuous(model, tokenizer, cfg: EvalConfig, problems: list[Problem], s
         requests = [batching.Request(prompts[pid], problem_key(cfg.seed, cfg.task, pid), s, caps[pid], tag=(pid, s))
                     for pid, s in todo]
 
-        def write(result: batching.Result, method=method, budget=budget) -> None:
+        rows = batch_rows(model, cfg, cfg.eviction(method, budget), config, max(len(p) for p in prompts.values()),
+                          len(requests))
+
+        def write(result: batching.Result, method=method, budget=budget, rows=rows) -> None:
             nonlocal generated
             pid, sample = result.tag
             rec = make_record(tokenizer, cfg, by_id[pid], sample, method, budget, len(prompts[pid]), result.tokens,
-                              result.finished, result.evictions, result.seconds / cfg.batch_size)
+                              result.finished, result.evictions, result.seconds / rows)
             store.append([rec])
             generated += 1
             left[pid] -= 1
             if progress is not None:
                 progress([rec], pid if left[pid] == 0 else None)
 
-        batching.run(model, requests, rows=cfg.batch_size, config=config,
+        batching.run(model, requests, rows=rows, config=config,
                      eviction=cfg.eviction(method, budget), on_result=write)
     return generated
+
+
+def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, samples: int) -> int:
+    """`cfg.batch_size`, or with "auto" the most rows of the engine that fit the model's device
+    (`planner.largest_batch` with that device's compiler and its allocator limit; on a CPU, 80% of the host's
+    available memory), at most `samples`; the reason is printed."""
+    if cfg.batch_size != AUTO:
+        return cfg.batch_size
+    device = next(iter(jax.tree.leaves(nnx.state(model))[0].devices()))
+    memory = planner.device_memory(device)
+    if memory is None:  # the CPU: what the host has free
+        memory = int(0.8 * _available_host_bytes())
+    found = planner.largest_batch(model.cfg, eviction, target=device, device_bytes=memory, config=config,
+                                  prompt_len=prompt_len, dtype=model.dtype, samples=samples)
+    if found.rows < 1:
+        raise ValueError(f"--batch-size auto: {found.reason}")
+    print(f"--batch-size auto, {eviction.method}{'' if not eviction.evicts else f'@{eviction.budget}'}: "
+          f"{found.rows} rows ({found.reason})", file=sys.stderr)
+    return found.rows
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
