@@ -115,3 +115,71 @@ def test_merge_of_two_segments_is_attention_over_their_union():
     want = decode_attention_reference(q, dequantize(k), dequantize(v), pos, 48, block_size=16)
     np.testing.assert_allclose(np.asarray(merge([first, second], jnp.float32)), np.asarray(want), rtol=2e-5,
                                atol=2e-5)
+
+
+def _split_kept_numpy(kept, quantized, value_range, protected):
+    """One (row, kv head): the 16-bit kept slots by Range, descending (ties: earlier in `kept`), the first P."""
+    bf16 = [i for i, s in enumerate(kept) if not quantized[s]]
+    top = sorted(bf16, key=lambda i: (-value_range[kept[i]], i))[:protected]
+    full = [s for i, s in enumerate(kept) if i in top]
+    quant = [s for i, s in enumerate(kept) if i not in top]
+    return full, quant, [not quantized[s] for s in quant]
+
+
+def test_split_kept_matches_numpy():
+    from vase_jax.kvquant import split_kept
+
+    rng = np.random.default_rng(7)
+    c, k, p = 40, 24, 6
+    kept = np.stack([rng.permutation(c)[:k] for _ in range(6)]).reshape(2, 3, k).astype(np.int32)
+    quantized = rng.random((2, 3, c)) < 0.3
+    value_range = rng.integers(0, 5, (2, 3, c)).astype(np.float32)  # many ties
+    for b in range(2):  # at most K - P kept slots quantized (the quantized part's size)
+        for h in range(3):
+            extra = [s for s in kept[b, h] if quantized[b, h, s]][k - p:]
+            quantized[b, h, extra] = False
+    full, quant, fresh = split_kept(jnp.asarray(kept), jnp.asarray(quantized), jnp.asarray(value_range), p)
+    assert full.shape == (2, 3, p) and quant.shape == fresh.shape == (2, 3, k - p)
+    for b in range(2):
+        for h in range(3):
+            want = _split_kept_numpy(list(kept[b, h]), quantized[b, h], value_range[b, h], p)
+            assert np.asarray(full[b, h]).tolist() == want[0]
+            assert np.asarray(quant[b, h]).tolist() == want[1]
+            assert np.asarray(fresh[b, h]).tolist() == want[2]
+
+
+def test_a_token_is_quantized_at_most_once_across_evictions():
+    """A cache of N + B slots evicting every B tokens with a random policy: the 16-bit part holds the top-P
+    kept tokens by Range among those never quantized, and no token is quantized twice."""
+    from vase_jax.kvquant import split_kept
+
+    rng = np.random.default_rng(3)
+    n, b, p = 24, 8, 6
+    k = n - b
+    tokens = list(range(n + b))  # token ids in the cache; the newest b are the recent window
+    value_range = {t: float(rng.random()) for t in range(2000)}
+    quantized: set[int] = set()
+    times: dict[int, int] = {}
+    nxt = n + b
+    for _ in range(30):
+        candidates = tokens[:-b]  # all but the newest b
+        kept_tokens = list(rng.permutation(candidates)[:k])
+        # the policy keeps any token, quantized or not: at most the quantized part's K - P are quantized
+        slot = {t: i for i, t in enumerate(tokens)}
+        kept = np.array([[slot[t] for t in kept_tokens]], np.int32)
+        qmask = np.array([[t in quantized for t in tokens]])
+        ranges = np.array([[value_range[t] for t in tokens]], np.float32)
+        assert qmask[0, kept[0]].sum() <= k - p
+        full, quant, fresh = (np.asarray(x)[0] for x in split_kept(jnp.asarray(kept), jnp.asarray(qmask),
+                                                                   jnp.asarray(ranges), p))
+        full_t, quant_t = [tokens[i] for i in full], [tokens[i] for i in quant]
+        bf16_kept = [t for t in kept_tokens if t not in quantized]
+        assert sorted(full_t) == sorted(sorted(bf16_kept, key=lambda t: -value_range[t])[:p])
+        for t, f in zip(quant_t, fresh, strict=True):
+            assert f == (t not in quantized)
+            if f:
+                times[t] = times.get(t, 0) + 1
+                quantized.add(t)
+        tokens = full_t + quant_t + tokens[-b:] + list(range(nxt, nxt + b))  # the recent b move behind; b new
+        nxt += b
+    assert times and max(times.values()) == 1

@@ -168,3 +168,38 @@ def token_bytes(head_dim: int, kv_bits: KVBits, itemsize: int = 2) -> int:
         bits, group = kv_bits.bits(which), kv_bits.group(which)
         total += head_dim * itemsize if bits == 16 else head_dim * bits // 8 + 2 * (head_dim // group) * itemsize
     return total
+
+
+# ---- which kept slots stay in 16 bits ---------------------------------------------------------------------------
+def split_kept(kept: jax.Array, quantized: jax.Array, value_range: jax.Array, protected: int):
+    """After an eviction: which kept slots stay in 16 bits and which are (or become) quantized.
+
+    kept [..., K] int32: the kept slots of one (row, kv head) (the policy's order); quantized [..., C] bool: the
+    slot is stored quantized now; value_range [..., C]: Range(v) of each slot, computed from its 16-bit value when
+    it was written; protected: P <= K.
+
+    Rule: among the kept slots still in 16 bits, the P with the largest Range stay in 16 bits (ties: the earlier
+    in `kept`); every other kept slot is stored quantized, those already quantized keep their codes. So a token
+    is quantized at most once, and a quantized token never returns to 16 bits (it has no 16-bit value left). The
+    shapes are static: at most K - P kept slots are quantized (the quantized part holds K - P slots), so at least
+    P kept slots are in 16 bits. With VaSE (P = Nv) the 16-bit ones are its protected set: VaSE keeps the top-Nv
+    candidates by Range, and a quantized token ranked below them when it was quantized.
+
+    Returns (full [..., P], quant [..., K - P], fresh [..., K - P]): the slots for the 16-bit part and for the
+    quantized part, each in the order of `kept`; `fresh` marks the quantized part's slots that are quantized now
+    (they were in 16 bits).
+    """
+    k = kept.shape[-1]
+    if not 0 <= protected <= k:
+        raise ValueError(f"protected={protected} must be in [0, kept={k}]")
+    was_quant = jnp.take_along_axis(quantized, kept, axis=-1)  # [..., K]
+    rng = jnp.take_along_axis(value_range.astype(jnp.float32), kept, axis=-1)
+    score = jnp.where(was_quant, -jnp.inf, rng)  # [..., K]
+    # top-P positions of `kept` by Range among the 16-bit ones; lax.top_k puts the earlier of equal values first
+    _, top = jax.lax.top_k(score, protected) if protected else (None, jnp.zeros(kept.shape[:-1] + (0,), jnp.int32))
+    is_full = jnp.zeros(kept.shape, bool)
+    is_full = jnp.put_along_axis(is_full, top, True, axis=-1, inplace=False) if protected else is_full
+    order = jnp.argsort(~is_full, axis=-1, stable=True)  # the 16-bit ones first, each group in `kept` order
+    ordered = jnp.take_along_axis(kept, order, axis=-1)
+    fresh = ~jnp.take_along_axis(was_quant, order, axis=-1)[..., protected:]
+    return ordered[..., :protected], ordered[..., protected:], fresh
