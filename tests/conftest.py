@@ -95,6 +95,18 @@ def prompt_batch(tokenizer):
     return vj.encode_prompts(tokenizer, PROMPTS)
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """The suite's persistent compilation cache, off for a test (and back on after it): a program compiled for a
+    device that is not attached (the `aot` tests) cannot be loaded from it."""
+    import jax
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """After each test, the mapping-limit guard (`vase_jax.jit`): clear JAX's caches once the worker holds half the

@@ -21,14 +21,13 @@ import importlib.util
 import json
 import os
 
-import jax
 import pytest
 
 import vase_jax as vj
 from vase_jax import aot
 from vase_jax.bench import named_configs
 
-pytestmark = [pytest.mark.aot,
+pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache"),
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
 
 CFG = dataclasses.replace(named_configs()["qwen3-8b"], num_layers=4)
@@ -36,14 +35,6 @@ METHODS = {"full": vj.EvictionConfig("full"),
            "vase_dkv": vj.EvictionConfig("vase_dkv", budget=2048, buffer=64),
            "vase_attnv": vj.EvictionConfig("vase_attnv", budget=2048, buffer=64)}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_persistent_cache():
-    """The conftest's compilation cache, off for these tests (and back on after them)."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 @functools.cache

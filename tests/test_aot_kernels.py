@@ -27,21 +27,13 @@ from pallas_kernels import decode_tuning, dispatch
 from pallas_kernels.decode_attention import decode_attention
 from vase_jax import aot
 
-pytestmark = [pytest.mark.aot,
+pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache"),
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
 
 H200 = "NVIDIA H200"
 LAYERS = 2
 H200_ROWS = sorted((key for key in decode_tuning.TABLE if key[0] == H200), key=repr)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_persistent_cache():
-    """The conftest's compilation cache, off for these tests (and back on after them)."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 @functools.cache

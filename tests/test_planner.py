@@ -155,18 +155,10 @@ def test_plan_script_errors(plan_script, args, needle, capsys):
     assert info.value.code == 2 and needle in err and err.startswith("plan.py: error:"), err
 
 
-@pytest.fixture
-def _no_persistent_cache():
-    """A deviceless program cannot be loaded from the persistent cache (as in tests/test_aot.py)."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
-
 
 @pytest.mark.aot
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-def test_largest_batch_for_an_h200(_no_persistent_cache):
+def test_largest_batch_for_an_h200(no_persistent_cache):
     """`full` with the protocol's cap (256-token prompt, 32512 new tokens) on the small 2-layer shape, compiled by
     XLA:GPU for an H200, in 2 GiB: the answer fits and one row more does not, by compiled figures."""
     reason = aot.missing("h200")
