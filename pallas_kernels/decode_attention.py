@@ -397,6 +397,13 @@ def decode_attention(
 # ------------------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_size", "scale"))
 def _decode_reference(q, k, v, pos, length, block_mask, layer=None, *, block_size, scale):
+    acc, _, l = _reference_partials(q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=scale)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.astype(q.dtype)
+
+
+def _reference_partials(q, k, v, pos, length, block_mask, layer=None, *, block_size, scale):
+    """The reference's online softmax: (acc [b, h, group, head_dim], m, l [b, h, group]) in float32."""
     batch, kv_heads, group, head_dim = q.shape
     capacity = k.shape[-2]
 
@@ -448,11 +455,10 @@ def _decode_reference(q, k, v, pos, length, block_mask, layer=None, *, block_siz
         jnp.full((batch, kv_heads, group), _NEG, jnp.float32),
         jnp.zeros((batch, kv_heads, group), jnp.float32),
     )
-    _, (acc, _, l) = lax.while_loop(
+    _, partials = lax.while_loop(
         lambda state: state[0] < used_blocks, body, (jnp.zeros((), jnp.int32), init)
     )
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return out.astype(q.dtype)
+    return partials
 
 
 def decode_attention_reference(
@@ -484,3 +490,22 @@ def decode_attention_reference(
     return _decode_reference(
         q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=_scale(scale, q.shape[3])
     )
+
+
+def decode_attention_partials_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    length: jax.Array | int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale: float | None = None,
+    layer: jax.Array | int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention_reference`'s unnormalized partials (acc, running max m, running sum l; float32), for
+    attention over a cache held in several segments, merged by log-sum-exp (`vase_jax.quant_attention.merge`).
+    Normalizing them (acc / l, 0 where l = 0) is exactly `decode_attention_reference`'s output."""
+    _check_args(q, k, v, pos, length, block_size, None, layer)
+    return _reference_partials(q, k, v, pos, length, None, layer, block_size=block_size,
+                               scale=_scale(scale, q.shape[3]))

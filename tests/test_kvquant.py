@@ -183,3 +183,56 @@ def test_a_token_is_quantized_at_most_once_across_evictions():
         tokens = full_t + quant_t + tokens[-b:] + list(range(nxt, nxt + b))  # the recent b move behind; b new
         nxt += b
     assert times and max(times.values()) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_slot_protected_equals_the_16_bit_cache_bit_for_bit(dtype):
+    from pallas_kernels.decode_attention import decode_attention_reference
+    from vase_jax.quant_attention import tiered_attention
+
+    b, h, g, slots, d = 2, 2, 4, 96, 128
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, h, g, d), dtype)
+    k = jax.random.normal(keys[1], (b, h, slots, d), dtype)
+    v = jax.random.normal(keys[2], (b, h, slots, d), dtype)
+    pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, h, slots))
+    length = jnp.array([90, 33], jnp.int32)
+    empty = quantize(jnp.zeros((b, h, 16, d), jnp.float32), 8, 128)  # a quantized tier holding nothing
+    none_pos = jnp.full((b, h, 16), -1, jnp.int32)
+    want = decode_attention_reference(q, k, v, pos, length)
+    for quant in (None, (empty, empty, none_pos, jnp.zeros((b,), jnp.int32))):
+        got = tiered_attention(q, (k, v, pos, length), quant)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_8_bit_quantized_tier_error_within_1e_2():
+    """A cache split in two tiers, the largest-Range quarter of the slots in 16 bits and the rest at K8V8: the
+    attention output's relative error against the all-16-bit cache is <= 1e-2 (and larger at K4V4)."""
+    from pallas_kernels.decode_attention import decode_attention_reference
+    from vase_jax.quant_attention import tiered_attention
+
+    b, h, g, slots, d = 2, 2, 4, 256, 128
+    keys = jax.random.split(jax.random.key(6), 3)
+    q = jax.random.normal(keys[0], (b, h, g, d), jnp.float32)
+    k = jax.random.normal(keys[1], (b, h, slots, d), jnp.float32)
+    v = jax.random.normal(keys[2], (b, h, slots, d), jnp.float32)
+    v = v.at[:, :, ::17].multiply(8.0)  # some large-Range values
+    pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, h, slots))
+    want = decode_attention_reference(q, k, v, pos, slots)
+    rng = np.asarray(v.max(-1) - v.min(-1))  # [b, h, slots]
+    protected = slots // 4
+    order = np.argsort(-rng, axis=-1, kind="stable")
+    hi, lo = order[..., :protected], order[..., protected:]
+
+    def take(x, idx):
+        return jnp.take_along_axis(x, jnp.asarray(idx)[..., None] if x.ndim == 4 else jnp.asarray(idx), axis=2)
+
+    errors = {}
+    for bits in (8, 4):
+        full = (take(k, hi), take(v, hi), take(pos, hi), protected)
+        quant = (quantize(take(k, lo), bits, 128 if bits == 8 else 64), quantize(take(v, lo), bits,
+                 128 if bits == 8 else 64), take(pos, lo), jnp.full((b,), slots - protected, jnp.int32))
+        got = tiered_attention(q, full, quant)
+        errors[bits] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert errors[8] <= 1e-2 and errors[4] > errors[8], errors

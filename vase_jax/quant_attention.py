@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.decode_attention import decode_attention_partials_reference
 from vase_jax.kvquant import Quantized, unpack
 
 _NEG = -1e30  # a finite start for the running max: exp(m_old - m_new) never sees inf - inf
@@ -96,3 +97,15 @@ def merge(parts, dtype) -> jax.Array:
     l = sum(w * jnp.exp(m - m_max) for _, m, w in parts)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.astype(dtype)
+
+
+def tiered_attention(q: jax.Array, full: tuple, quant: tuple | None, *, block: int = 64,
+                     layer: jax.Array | int | None = None) -> jax.Array:
+    """Decode attention over a cache in two tiers: `full` = (k, v, pos, length) in 16 bits (or float32), read by
+    `decode_attention_partials_reference` (stacked over layers when `layer` is given), and `quant` = (k, v, pos,
+    length) quantized (`Quantized`, one layer), or None; merged by log-sum-exp. With no quantized slot the output
+    is exactly `decode_attention_reference`'s on the 16-bit tier. q [batch, kv_heads, group, head_dim]."""
+    parts = [decode_attention_partials_reference(q, *full, block_size=block, layer=layer)]
+    if quant is not None:
+        parts.append(quantized_partials(q, *quant, block=block))
+    return merge(parts, q.dtype)
