@@ -236,3 +236,15 @@ def test_8_bit_quantized_tier_error_within_1e_2():
         got = tiered_attention(q, full, quant)
         errors[bits] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert errors[8] <= 1e-2 and errors[4] > errors[8], errors
+
+
+def test_a_quarter_protected_at_k4v4_is_at_most_half_the_bf16_cache():
+    from vase_jax.kvquant import tier_slots, tiered_bytes
+
+    n, b = 4096, 64
+    assert tier_slots(n, b, n // 4) == (1024 + 128, 4096 - 64 - 1024) and sum(tier_slots(n, b, n // 4)) == n + b
+    bf16 = (n + b) * token_bytes(128, KVBits())
+    assert tiered_bytes(n, b, n // 4, 128, KVBits(4, 4)) / bf16 <= 0.5  # 0.480
+    assert tiered_bytes(n, b, 0, 128, KVBits()) == bf16
+    with pytest.raises(ValueError, match="protected=5000 must be in"):
+        tier_slots(n, b, 5000)

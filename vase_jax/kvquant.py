@@ -203,3 +203,19 @@ def split_kept(kept: jax.Array, quantized: jax.Array, value_range: jax.Array, pr
     ordered = jnp.take_along_axis(kept, order, axis=-1)
     fresh = ~jnp.take_along_axis(was_quant, order, axis=-1)[..., protected:]
     return ordered[..., :protected], ordered[..., protected:], fresh
+
+
+def tier_slots(budget: int, buffer: int, protected: int) -> tuple[int, int]:
+    """(16-bit slots, quantized slots) of one (row, kv head) of an evicting cache in two tiers (docs/DESIGN.md):
+    the P protected, the B recent slots kept at the last event and the B written since in 16 bits; the other
+    K - P = N - B - P kept slots quantized. Together N + B, the capacity of today's cache."""
+    kept = budget - buffer
+    if not 0 <= protected <= kept:
+        raise ValueError(f"protected={protected} must be in [0, budget - buffer = {kept}]")
+    return protected + 2 * buffer, kept - protected
+
+
+def tiered_bytes(budget: int, buffer: int, protected: int, head_dim: int, kv_bits: KVBits, itemsize: int = 2) -> int:
+    """Bytes of K and V of one (row, kv head) of that cache (`tier_slots`, `token_bytes`)."""
+    full, quant = tier_slots(budget, buffer, protected)
+    return full * token_bytes(head_dim, KVBits(), itemsize) + quant * token_bytes(head_dim, kv_bits, itemsize)
