@@ -160,6 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       help="--workload aime25: the protocol (Qwen3-14B's shape) or its CPU-sized copy (tiny)")
     a("--seconds", type=float, default=120.0, help="--workload aime25: measuring time per method (default 120; "
       "the plan and the compile come on top)")
+    a("--deadline", type=float, default=None, help="--workload aime25: a time (seconds since the epoch) by which "
+      "each method's measuring ends: --seconds is shortened to what is left after the plan and the compile")
     a("--samples", type=int, default=None, help="--workload aime25: samples (default 480; tiny 24)")
     a("--device-gb", type=float, default=None, help="--workload aime25: device memory in GB (1e9 bytes) the batch "
       "must fit (default: the device's allocator limit; a CPU has none: give it or --batch)")
@@ -832,7 +834,7 @@ def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], l
                   prompt_len=args.prompt_len, total_tokens=shape["total_tokens"], median=shape["median"],
                   sigma=shape["sigma"], seed=args.seed, headroom=args.headroom,
                   device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9), queue=args.queue,
-                  attention_impl=args.attention_impl, layer_loop=args.layer_loop)
+                  attention_impl=args.attention_impl, layer_loop=args.layer_loop, deadline=args.deadline)
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     result["meta"] = {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model_desc": model_desc,

@@ -62,7 +62,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
-CAPS = {"tests": 45, "sweep": 80, "workload": 250, "events": 70, "memory": 60, "decode": 120, "lowering": 50,
+CAPS = {"tests": 60, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 120, "lowering": 50,
         "kernels": 40, "spread": 50}
 # The workload phase: the rows of each method, planned beforehand on a CPU host with the H200's compiler (no
 # device time), for a device whose allocator may use 0.95 of its memory (`bench.py` sets
@@ -580,7 +580,8 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
     if name == "tests":  # the compiled kernel tests
         other = "pallas_tpu" if env["backend"] == "gpu" else "pallas-"  # the other family would run interpreted
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-               "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other}"]
+               "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other} and not Reference and not "
+               "auto_picks and not explicit_impls"]  # the compiled kernels only: the rest runs on any CPU
         phase = _run(cmd, cap)
         summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
         return dict(phase, status="passed" if phase["rc"] == 0 else _status(phase), summary=summary)
@@ -605,6 +606,7 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
             cmd = [sys.executable, "scripts/bench.py", "--workload", "aime25", "--methods", method,
                    "--budgets", budget or "2048", "--buffer", "64", "--batch", str(rows),
                    "--seconds", str(round(max(sub - WORKLOAD_SETUP_S, 10))), "--no-plots",
+                   "--deadline", str(time.time() + sub - 5),  # the measuring ends in time whatever the setup took
                    "--out", os.path.join(folder, label.replace("@", "_"))]
             run = _run(cmd, sub)
             phase["seconds"] += run["seconds"]

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -314,8 +315,9 @@ def test_simulator_matches_the_engine():
 def test_aime25_workload_tiny(tmp_path):
     """--workload aime25 --scale tiny: the whole path (compile, round, windows, check, projection) in seconds; the
     simulated schedules equal the engine's, the projection covers the drawn lengths. No timing assertions."""
+    # a deadline already past: each method still measures, for the 1 s floor instead of --seconds
     args = ["--workload", "aime25", "--scale", "tiny", "--methods", "vase_dkv,full", "--seconds", "2", "--out",
-            str(tmp_path)]
+            str(tmp_path), "--deadline", str(time.time() - 100)]
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
@@ -323,7 +325,7 @@ def test_aime25_workload_tiny(tmp_path):
     assert result["meta"]["lengths"]["tokens"] == int(lengths.sum())
     assert [r["label"] for r in result["methods"]] == ["vase_dkv@32", "full"]
     for r in result["methods"]:
-        assert r["rows"] == 6 and r["schedules_match_engine"] and r["steady"]
+        assert r["rows"] == 6 and r["schedules_match_engine"] and r["steady"] and r["seconds"] == 1.0
         p, c = r["protocol"], r["check"]
         assert p["tokens"] == int(lengths.sum()) and p["samples"] == 24 and 0 < p["utilization"] <= 1
         assert p["seconds"] > 0 and p["tok_s"] > 0 and p["rounds"] == 4

@@ -657,6 +657,9 @@ def measure_engine(model: Qwen3, ev: EvictionConfig, make_requests: Callable[[li
             "measure_s": time.perf_counter() - t0}
 
 
+DEADLINE_MARGIN_S = 15.0  # aime25_workload: left after the measuring for the projection and the write
+
+
 def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_method: float = 120.0,
                     batch: int | dict[str, int] | None = None, samples: int = AIME25["samples"],
                     prompt_len: int = AIME25["prompt_len"], total_tokens: int = AIME25["total_tokens"],
@@ -664,6 +667,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
                     device_bytes: int | None = None, headroom: float = planner.DEFAULT_HEADROOM,
                     queue: int | None = None, max_rows: int = planner.MAX_ROWS, attention_impl: str = "auto",
                     layer_loop: str = "auto", check_share: float = 0.3, first_window: int = 32,
+                    deadline: float | None = None,
                     on_method: Callable[[dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
     """The AIME25 protocol's shape, per eviction method, on `model` (random weights will do): `samples` samples
     of `prompt_len`-token random prompts whose output lengths are `lognormal_lengths(median, sigma, cap =
@@ -695,6 +699,9 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
        length with the Pallas kernels, up to the longest row's on the XLA path (`attention_reads`): how `full`'s
        step time grows with its live slots, a line fitted in step 2; the projection with the other count is
        reported too). tokens/s = tokens / T; row utilization = the samples' decode row-steps / (rows * steps).
+
+    `deadline` (seconds since the epoch): each method's measuring is shortened to end by then (less
+    `DEADLINE_MARGIN_S`, at least 1 s), whatever its plan and compile took; the time used is the record's `seconds`.
 
     Peak memory: the device's `memory_stats()["peak_bytes_in_use"]` after the method (the process's peak so far),
     else the plan's total. `on_method(result so far)` is called after each method (to write results as they come).
@@ -771,8 +778,12 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
             start = time.perf_counter()
             _run_timed(model, make_requests([2] * rows), rows, q, config, ev, prompt_len)  # compiles the programs
             rec |= {"queue": q, "compile_s": time.perf_counter() - start}
+            seconds = seconds_per_method  # a deadline (time.time()) shortens it to what is left after the compile
+            if deadline is not None:
+                seconds = max(min(seconds, deadline - time.time() - DEADLINE_MARGIN_S), 1.0)
+            rec["seconds"] = seconds
             measured = measure_engine(model, ev, make_requests, rows, q, config, prompt_len, lengths,
-                                      seconds_per_method, check_share, first_window, reads, log)
+                                      seconds, check_share, first_window, reads, log)
             fit = measured.pop("fit")
             proto = simulate_engine(lengths, rows, ev, prompt_len, q)
             total = fit.seconds(proto)
