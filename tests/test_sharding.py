@@ -127,7 +127,7 @@ MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["full", "vase_attnv", "vase_dkv"])
+@pytest.mark.parametrize("method", ["full", "vase_dkv"])  # vase_attnv on meshes: tests/test_distributed.py
 def test_generate_on_meshes_matches_one_device(method):
     """Every mesh gives the tokens of one device. Greedy and sampled alternate over the meshes (and the
     alternation flips per method), so each method and each mesh runs both modes while each subprocess compiles
