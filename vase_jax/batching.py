@@ -135,6 +135,13 @@ def default_queue(rows: int) -> int:
     return max(min(rows, MAX_DEFAULT_QUEUE), 2)
 
 
+def queue_for(rows: int, queue: int | None, target: Target) -> int:
+    """The samples `run` prefills per round: `queue`, or `default_queue(rows)`; at least 2 where a one-row prefill
+    rounds differently (`Target.pads_lone_rows`: `generate` runs a lone row beside a copy on CPU)."""
+    queue = default_queue(rows) if queue is None else queue
+    return max(queue, 2) if target.pads_lone_rows else queue
+
+
 def validate_requests(requests: list[Request], rows: int, config: GenerateConfig) -> None:
     """Clear errors, before anything compiles: rows >= 1, caps in [1, config.max_new_tokens], non-empty prompts."""
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
@@ -316,12 +323,10 @@ def run(
     if not isinstance(model, Qwen3):
         raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
     validate_requests(requests, rows, config)
-    queue = default_queue(rows) if queue is None else queue
-    if not isinstance(queue, int) or isinstance(queue, bool) or queue < 1:
+    if queue is not None and (not isinstance(queue, int) or isinstance(queue, bool) or queue < 1):
         raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")
     target = generate_target(model, config)
-    if target.pads_lone_rows:
-        queue = max(queue, 2)  # a one-row prefill rounds differently on CPU (`generate` runs a lone row beside a copy)
+    queue = queue_for(rows, queue, target)
     stats = stats if stats is not None else EngineStats()
     if not requests:
         return []

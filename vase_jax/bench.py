@@ -773,8 +773,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
         rec |= {"rows": rows, "plan_s": time.perf_counter() - start, "plan": None if plan is None else plan.as_dict()}
         log(f"{label}: {rows} rows ({rec['rows_reason']})")
         if rows > 0:
-            q = batching.default_queue(rows) if queue is None else queue
-            q = max(q, 2) if Target.make(platform_of(device)).pads_lone_rows else q  # as `batching.run` does
+            q = batching.queue_for(rows, queue, Target.make(platform_of(device)))  # as `batching.run` does
             start = time.perf_counter()
             _run_timed(model, make_requests([2] * rows), rows, q, config, ev, prompt_len)  # compiles the programs
             rec |= {"queue": q, "compile_s": time.perf_counter() - start}

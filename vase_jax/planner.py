@@ -242,9 +242,8 @@ class _EnginePrograms:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding), tree)
 
     def queue_for(self, rows: int, queue: int | None) -> int:
-        """The queue `batching.run` uses: `batching.default_queue(rows)` by default (and at least 2 on CPU)."""
-        q = batching.default_queue(rows) if queue is None else queue
-        return max(q, 2) if self.target.pads_lone_rows else q
+        """The queue `batching.run` uses (`batching.queue_for`)."""
+        return batching.queue_for(rows, queue, self.target)
 
     def state(self, rows: int, queue: int):
         return self.place(jax.eval_shape(lambda: batching._init_state(
