@@ -11,12 +11,20 @@ each token's quantization MSE and its Range(v) = max_c v - min_c v, with the dis
 
 Writes DIR/summary.md (tables), DIR/summary.json, DIR/pearson_per_layer.png, DIR/range_per_layer.png and
 DIR/mse_vs_range.png (default DIR: runs/analyze/<task>/<model name>).
+
+With --kv-error K8V8,K8V4,K4V4 the same generated sequences also give, per layer, the attention-output error of
+each KV-cache quantization setting against the 16-bit cache on the same tokens (`vase_jax.analysis.kv_error`):
+||o_hat - o||_F / ||o||_F of the last --kv-queries positions' attention over their causal prefix, with every token
+quantized (unprotected) and with the top --kv-protected of each prefix by Range(v), the --sinks first tokens and
+the --kv-buffer most recent tokens kept in 16 bits (protected); the table goes into summary.md and summary.json
+("kv_error").
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -63,8 +71,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sinks", type=int, default=4, help="sink tokens dropped per head (default 4)")
     p.add_argument("--bits", type=_csv_int, default=(2, 4), help="comma list (default 2,4)")
     p.add_argument("--groups", type=_csv_int, default=(32, 64), help="comma list of group sizes (default 32,64)")
+    p.add_argument("--kv-error", metavar="SETTINGS",
+                   help="comma list of KV-cache settings (K8V8,K8V4,K4V4, K4V4g32, ...): also report each one's "
+                        "per-layer attention-output error against the 16-bit cache, with and without protection")
+    p.add_argument("--kv-protected", type=float,
+                   help="with --kv-error: fraction of each prefix kept in 16 bits by Range(v) (default 0.25)")
+    p.add_argument("--kv-buffer", type=int,
+                   help="with --kv-error: most recent tokens of each query kept in 16 bits (default 64)")
+    p.add_argument("--kv-queries", type=int,
+                   help="with --kv-error: the last N positions of each sequence are the queries (default 256; "
+                        "0: every position)")
     p.add_argument("--out", help="output folder (default: runs/analyze/<task>/<model name>)")
     return p
+
+
+def _head_dim(model_name: str) -> int | None:
+    """head_dim of a random model or of a local checkpoint folder, read before anything loads (else None)."""
+    from vase_jax.config import Qwen3Config
+    from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX
+
+    if model_name.startswith(RANDOM_PREFIX):
+        return RANDOM_MODELS[model_name[len(RANDOM_PREFIX):]].head_dim
+    config = Path(model_name).expanduser() / "config.json"
+    try:
+        return Qwen3Config.from_json_file(config).head_dim if config.is_file() else None
+    except (ValueError, OSError, KeyError):
+        return None
+
+
+def kv_options(args, head_dim: int | None) -> dict | None:
+    """The --kv-* options -> keyword arguments of `vase_jax.analysis.kv_error.kv_error` (None without
+    --kv-error); ValueError with a one-line message naming the option."""
+    from vase_jax.analysis import kv_error as kve
+
+    if args.kv_error is None:
+        for name in ("kv_protected", "kv_buffer", "kv_queries"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} needs --kv-error")
+        return None
+    try:
+        settings = kve.parse_settings(args.kv_error, head_dim)
+    except ValueError as e:
+        raise ValueError(f"--kv-error: {e}") from None
+    protected = kve.PROTECTED if args.kv_protected is None else args.kv_protected
+    if not 0.0 <= protected <= 1.0:
+        raise ValueError(f"--kv-protected={protected:g} must be in [0, 1]")
+    buffer = kve.BUFFER if args.kv_buffer is None else args.kv_buffer
+    if buffer < 0:
+        raise ValueError(f"--kv-buffer={buffer} must be >= 0")
+    queries = kve.QUERIES if args.kv_queries is None else args.kv_queries
+    if queries < 0:
+        raise ValueError(f"--kv-queries={queries} must be >= 0 (0: every position)")
+    return {"settings": settings, "protected": protected, "sinks": args.sinks, "buffer": buffer,
+            "queries": queries or None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for g in args.groups:
             if g < 1:
                 raise ValueError(f"--groups: {g} must be a positive integer")
+        kv = kv_options(args, _head_dim(model_name))
     except ValueError as e:
         return fail(str(e))
     out = Path(args.out) if args.out else Path("runs") / "analyze" / cfg.task / re.sub(
@@ -111,15 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     configs = tuple(QuantConfig(b, g).validate(head_dim) for b in args.bits for g in args.groups if g not in skipped)
     if not configs:
         return fail(f"--groups: none of {','.join(map(str, args.groups))} divides head_dim {head_dim}")
-    summary = run(model, tokenizer, cfg, problems, configs, args.sinks, out)
+    if kv is not None:
+        try:
+            kv = kv_options(args, head_dim)  # a hub model's head_dim is known once it is loaded
+        except ValueError as e:
+            return fail(str(e))
+    summary = run(model, tokenizer, cfg, problems, configs, args.sinks, out, kv)
     print(Path(out / "summary.md").read_text())
     print(f"wrote {out}/summary.md, summary.json, pearson_per_layer.png, range_per_layer.png, mse_vs_range.png "
           f"({summary['samples']} samples)")
     return 0
 
 
-def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path) -> dict:
-    """Generate one full-cache sample per problem, accumulate the per-layer statistics, write the report."""
+def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path, kv: dict | None = None) -> dict:
+    """Generate one full-cache sample per problem, accumulate the per-layer statistics, write the report; with
+    `kv` (`kv_options`) also the attention-output errors of the quantized KV cache on the same sequences."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -130,7 +196,7 @@ def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path) -> dict
     from vase_jax.tasks import get_task
 
     task = get_task(cfg.task)
-    acc = None
+    acc = kv_stats = None
     t0 = time.perf_counter()
     for i, problem in enumerate(problems):
         prompt = vj.encode_prompts(tokenizer, [task.build_prompt(problem.question)])
@@ -154,13 +220,28 @@ def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path) -> dict
             acc = Accumulator(num_layers, configs, seed=cfg.seed)
         ranges, mse = jax.device_get(layer_stats(jnp.asarray(rows), jnp.asarray(valid), configs))
         acc.add(ranges, mse, valid)
+        if kv is not None:
+            from vase_jax.analysis.kv_error import kv_error
+
+            real = np.asarray(prompt.attention_mask[0]).astype(bool)
+            sequence = np.concatenate([np.asarray(prompt.input_ids[0])[real],
+                                       np.asarray(jax.device_get(res.tokens[0]))[:kept]])  # [prompt + kept]
+            kv_stats = kv_error(model, sequence, stats=kv_stats, **kv)
         print(f"{PROG}: {i + 1}/{len(problems)} {problem.id}: {prompt_len} prompt + {kept} output tokens, "
               f"{int(valid[0].sum())} values per layer ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     meta = {"model": cfg.model, "task": cfg.task, "sinks": sinks, "limit": cfg.limit, "seed": cfg.seed,
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "max_new_tokens": cfg.max_new_tokens, "max_total_tokens": cfg.max_total_tokens, "dtype": cfg.dtype,
             "configs": [dataclasses.asdict(c) for c in configs]}
-    return write_report(acc, out, meta)
+    summary = write_report(acc, out, meta)
+    if kv_stats is not None:
+        from vase_jax.analysis.kv_error import markdown
+
+        summary["kv_error"] = kv_stats.summary()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with open(out / "summary.md", "a") as fh:
+            fh.write("\n" + markdown(summary["kv_error"]))
+    return summary
 
 
 if __name__ == "__main__":
