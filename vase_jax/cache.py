@@ -100,6 +100,15 @@ class KVCache:
     active: jax.Array  # [batch] bool: the row takes a token at the next decode step
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
+    # The quantized tier of a mixed-precision cache (`vase_jax.tiers`; None otherwise): `k`, `v`, `pos` then hold
+    # the 16-bit tier's slots and these the quantized tier's; `state` and `value_range` run over both tiers (the
+    # virtual slots: the 16-bit tier's first).
+    kq: Any = None  # `kvquant.Quantized` [layers, batch, kv_heads, quant_slots, ...]
+    vq: Any = None  # `kvquant.Quantized` [layers, batch, kv_heads, quant_slots, ...]
+    qpos: jax.Array | None = None  # [layers, batch, kv_heads, quant_slots] int32, -1 = empty
+    qlength: jax.Array | None = None  # [batch] int32: quantized slots in use
+    value_range: jax.Array | None = None  # [layers, batch, kv_heads, virtual slots] f32: Range(v) at write
+    tiers: Any = struct.field(pytree_node=False, default=None)  # `tiers.TierLayout`, or None (one 16-bit tier)
     dtype: Any = struct.field(pytree_node=False, default=None)  # float dtype of k, v, queries (None: k's dtype)
     target: Target | None = struct.field(pytree_node=False, default=None)  # what it is stored for (`init_cache`)
 
@@ -209,15 +218,22 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
         k=jax.lax.dynamic_update_slice(cache.k, _as_written(_unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
         v=jax.lax.dynamic_update_slice(cache.v, _as_written(_unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
     )
-    if cache.window:
-        t = k.shape[2]
-        t_r = _ring_times(t - pad, cache.window)  # [batch, window] real-token times
-        src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
-        ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
-        ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
-        new = new.replace(queries=jax.lax.dynamic_update_slice(cache.queries, stored(ring[None], cache),
-                                                                (layer, 0, 0, 0, 0, 0)))
-    return new
+    return write_query_ring(new, layer, q, token_mask)
+
+
+def write_query_ring(cache: KVCache, layer, q: jax.Array, token_mask: jax.Array) -> KVCache:
+    """The prompt's part of `write_prompt` for the query ring (a no-op without one): the queries of each row's
+    newest `window` real tokens. q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq]."""
+    if not cache.window:
+        return cache
+    pad = _padding(token_mask)  # [batch]
+    t = q.shape[3]
+    t_r = _ring_times(t - pad, cache.window)  # [batch, window] real-token times
+    src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
+    ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
+    ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
+    return cache.replace(queries=jax.lax.dynamic_update_slice(cache.queries, stored(ring[None], cache),
+                                                              (layer, 0, 0, 0, 0, 0)))
 
 
 def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:

@@ -33,11 +33,13 @@ from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
 from vase_jax.jit import target_jit
+from vase_jax.kvquant import DEFAULT_GROUP, KVBits
 from vase_jax.model import Qwen3, prompt_positions
 from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
 from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
 from vase_jax.target import LAYER_LOOPS as TARGET_LOOPS
 from vase_jax.target import PLATFORMS, Target, devices_platform
+from vase_jax.tiers import TierLayout, init_tiered_cache, retier, rows_due, tier_layout
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -70,6 +72,30 @@ class GenerateConfig:
     # The decode-attention kernel, with and without eviction: "auto" (Pallas on GPU, XLA elsewhere), "xla" or
     # "pallas" (interpret mode off GPU). The eviction scoring kernels follow the same switch.
     attention_impl: str = "auto"
+    # The mixed-precision cache (`vase_jax.tiers`): bits of cached keys and values (16, 8 or 4; keys never below
+    # values; 16 and 16 is the 16-bit cache, the same program as without these fields), channels per scale
+    # (None: 128 at 8 bits, 64 at 4), the slots kept in 16 bits for their Range(v) (None: Nv with a method that
+    # protects Range, 0 with another evicting method, a quarter of the cache without eviction), and HQQ's
+    # zero-point refinement when a token is quantized.
+    key_bits: int = 16
+    value_bits: int = 16
+    kv_group: int | None = None
+    kv_protected: int | None = None
+    kv_refine: bool = False
+
+    @property
+    def kv_bits(self) -> KVBits:
+        return KVBits(self.key_bits, self.value_bits, self.kv_group, self.kv_group, self.kv_refine)
+
+    def kv_bits_for(self, head_dim: int) -> KVBits:
+        """`kv_bits` with the default group sizes capped at `head_dim` (a head narrower than 128 channels at 8
+        bits takes one group per head)."""
+        def group(bits):
+            if self.kv_group is not None or bits == 16:
+                return self.kv_group
+            return min(DEFAULT_GROUP[bits], head_dim)
+
+        return KVBits(self.key_bits, self.value_bits, group(self.key_bits), group(self.value_bits), self.kv_refine)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -97,6 +123,12 @@ class GenerateConfig:
             raise ValueError(f"GenerateConfig.layer_loop={self.layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"GenerateConfig.platform={self.platform!r}; allowed: None, {', '.join(PLATFORMS)}")
+        try:
+            self.kv_bits.validate()
+        except ValueError as e:
+            raise ValueError(f"GenerateConfig: {e}") from None
+        if not isinstance(self.kv_refine, bool):
+            raise ValueError(f"GenerateConfig.kv_refine={self.kv_refine!r} must be a bool")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
         return self
@@ -300,11 +332,21 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=config.pad_id)
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
     capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
+    if config.kv_bits.quantizes:  # a mixed-precision cache: its layout (validated) instead of one capacity
+        kv_bits = config.kv_bits_for(model.cfg.head_dim)
+        try:
+            kv_bits.validate(model.cfg.head_dim)
+        except ValueError as e:
+            raise ValueError(f"GenerateConfig: {e}") from None
+        capacity = tier_layout(kv_bits, config.kv_protected, eviction, t, config.max_new_tokens)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
     row_ids = jnp.asarray(row_ids, jnp.int32)
     mesh = model_mesh(model)
+    if mesh is not None and config.kv_bits.quantizes:
+        raise ValueError(f"GenerateConfig.key_bits={config.key_bits}, value_bits={config.value_bits}: the "
+                         "mixed-precision cache runs on one device (not on a mesh yet); use 16 and 16 on a mesh")
     if mesh is not None:  # rows over `data` (checked before anything compiles)
         check_mesh(model.cfg, mesh, b)
         rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))
@@ -374,8 +416,17 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
         return s.replace(cache=cache, tokens=tokens, last=jnp.where(active, token, s.last), done=done,
                          num_tokens=num_tokens, step=s.step + 1)
 
-    if not eviction.evicts:
+    tiered = s.cache.tiers is not None
+    if not eviction.evicts and not tiered:
         return jax.lax.while_loop(running, step, s)
+
+    def due_rows(cache: KVCache) -> jax.Array:  # [batch] rows whose tick (eviction or re-tiering) is due
+        return rows_due(cache) if tiered else framework.rows_to_evict(cache, eviction)
+
+    def event(cache: KVCache) -> KVCache:
+        if tiered:
+            return retier(cache, eviction, s.evict_key, s.row_ids, impl)
+        return framework.evict_per_device(cache, eviction, s.evict_key, s.row_ids, impl)
 
     # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
     # body thus holds no conditional, which would make XLA copy the cache at every step.
@@ -384,16 +435,16 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
         # eviction), traced once: `first` is true only on entry.
         def more(c):
             s, first = c
-            return running(s) & (first | ~framework.should_evict(s.cache, eviction))
+            return running(s) & (first | ~due_rows(s.cache).any())
 
         s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
-        due = framework.should_evict(s.cache, eviction)
+        evicted = framework.should_evict(s.cache, eviction) if eviction.evicts else jnp.bool_(False)
         # No conditional around the event (XLA:GPU would copy the cache into and out of its branches): with no
         # row due, `evict` runs zero layers. Per device under a mesh.
-        cache = constrain_cache(framework.evict_per_device(s.cache, eviction, s.evict_key, s.row_ids, impl), mesh)
-        gap = jnp.where(due, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
-        return s.replace(cache=cache, events=s.events + due.astype(jnp.int32), min_event_gap=gap,
-                         last_event=jnp.where(due, s.step, s.last_event))
+        cache = constrain_cache(event(s.cache), mesh)
+        gap = jnp.where(evicted, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
+        return s.replace(cache=cache, events=s.events + evicted.astype(jnp.int32), min_event_gap=gap,
+                         last_event=jnp.where(evicted, s.step, s.last_event))
 
     return jax.lax.while_loop(running, segment, s)
 
@@ -421,7 +472,10 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
-    start = framework.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
+    if cache.tiers is not None:  # ticks every B steps with or without eviction
+        start = (cache.seen - phase) % cache.tiers.buffer
+    else:
+        start = framework.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
     ones = jnp.ones((b,), jnp.int32)
     tokens = constrain(jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first),
                        ("batch", "step"), mesh)
@@ -463,7 +517,10 @@ def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capac
     `Qwen3.forward` picks it), which also decides the cache's storage.
     """
     target = Target.of(model.embedding[...]) if target is None else target
-    cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
+    if isinstance(capacity, TierLayout):  # a mixed-precision cache
+        cache = init_tiered_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
+    else:
+        cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), constrain_cache(cache, mesh),
                                   attention_mask=attention_mask, attention_impl=attention_impl, target=target,
                                   last_logits_only=True)

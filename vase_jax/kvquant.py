@@ -133,10 +133,14 @@ class Quantized:
     bits: int = struct.field(pytree_node=False)
 
 
-def quantize(x: jax.Array, bits: int, group: int, *, refine: bool = False, scale_dtype=None) -> Quantized:
+def quantize(x: jax.Array, bits: int, group: int | None, *, refine: bool = False, scale_dtype=None) -> Quantized:
     """x [..., D] -> `Quantized` (module docstring); the math in float32, `scale` and `low` stored in
-    `scale_dtype` (default: x's dtype)."""
+    `scale_dtype` (default: x's dtype). `bits=16` keeps x as it is (`codes` = x, no scale: one side of a K16V8
+    setting)."""
     d = x.shape[-1]
+    if bits == 16:
+        empty = jnp.zeros(x.shape[:-1] + (0,), scale_dtype or x.dtype)
+        return Quantized(x, empty, empty, 16)
     if d % group:
         raise ValueError(f"group={group} must divide the channel count {d}")
     w = x.astype(jnp.float32).reshape(-1, group)  # [tokens * D / g, g]
@@ -153,6 +157,8 @@ def quantize(x: jax.Array, bits: int, group: int, *, refine: bool = False, scale
 
 def dequantize(qx: Quantized, dtype=jnp.float32) -> jax.Array:
     """x_hat [..., D] = code * scale + low per group, computed in float32, returned in `dtype`."""
+    if qx.bits == 16:
+        return qx.codes.astype(dtype)
     codes = unpack(qx.codes, qx.bits).astype(jnp.float32)  # [..., D]
     groups = qx.scale.shape[-1]
     codes = codes.reshape(*codes.shape[:-1], groups, -1)  # [..., G, g]

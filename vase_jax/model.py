@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vase_jax import weights
+from vase_jax import tiers, weights
 from vase_jax.attention import decode_attention
 from vase_jax.cache import (
     KVCache,
@@ -203,6 +203,8 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     """
     q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, target)
     b, t = x.shape[:2]
+    if cache is not None and cache.tiers is not None:  # a mixed-precision cache (`vase_jax.tiers`)
+        return _tiered_attention(cfg, w, x, q, k, v, mask, cache, layer, attention_impl, target)
     if cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
         # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ),
@@ -220,6 +222,29 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
         if cache is not None:
             cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
+    hd = cfg.num_heads * cfg.head_dim
+    out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
+    return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
+
+
+def _tiered_attention(cfg: Qwen3Config, w, x, q, k, v, mask, cache: KVCache, layer, attention_impl: str,
+                      target: Target | None):
+    """`attention` over a mixed-precision cache: the token (or the prompt) written into its tiers, a decode
+    step's attention over both tiers merged by log-sum-exp."""
+    b, t = x.shape[:2]
+    if t == 1:
+        cache = tiers.write_token(cache, layer, k, v, q)
+        out = tiers.decode_attention(q[:, :, :, 0], cache, layer, attention_impl)[:, :, :, None]
+        if cache.state:
+            cache = tiers.update_state(cache, layer, q[:, :, :, 0])
+    else:
+        weights = None
+        if cache.state:
+            out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
+            weights = probs.sum(axis=(2, 3))  # [b, kv_heads, seq]
+        else:
+            out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
+        cache = tiers.write_prompt(cache, layer, k, v, q, mask[:, -1, :], weights)
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
     return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
@@ -386,7 +411,8 @@ class Qwen3(nnx.Module):
             return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl, target)
 
         if cache is not None:  # positions and counters first: every layer's `pos` is the same
-            cache = start_token(cache) if decoding else start_prompt(cache, mask[:, -1, :])
+            start = tiers.start_prompt if cache.tiers is not None else start_prompt
+            cache = start_token(cache) if decoding else start(cache, mask[:, -1, :])
         x, cache = run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
         return self.logits(x[:, -1:] if last_logits_only else x, target), cache
 

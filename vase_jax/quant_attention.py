@@ -24,37 +24,50 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.decode_attention import decode_attention_partials_reference
+from pallas_kernels.decode_attention import decode_attention_partials_reference, stored_as
 from vase_jax.kvquant import Quantized, unpack
 
 _NEG = -1e30  # a finite start for the running max: exp(m_old - m_new) never sees inf - inf
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _codes(x: Quantized, start, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Slots [start, start + block) of a quantized segment [batch, kv_heads, slots, ...]: codes as float32
-    [b, h, block, G, g], scale and low [b, h, block, G]."""
-    take = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=block, axis=2)
+def _codes(x: Quantized, start, block: int, layer, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Slots [start, start + block) of a quantized segment [(layers,) batch, kv_heads, slots, ...] (layer `layer`
+    when stacked, sliced straight from the stack): codes as float32 [b, h, block, G, g], scale and low
+    [b, h, block, G]. A 16-bit side (`bits` 16, its values or their bits as `codes`) is one group of scale 1."""
+
+    def take(a):
+        if layer is None:
+            return lax.dynamic_slice_in_dim(a, start, block, axis=2)
+        starts = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
+        return lax.dynamic_slice(a, starts, (1, *a.shape[1:3], block, *a.shape[4:]))[0]
+
+    if x.bits == 16:
+        values = stored_as(take(x.codes), dtype).astype(jnp.float32)  # [b, h, block, D]
+        ones = jnp.ones(values.shape[:3] + (1,), jnp.float32)
+        return values[..., None, :], ones, jnp.zeros_like(ones)
     scale, low = take(x.scale).astype(jnp.float32), take(x.low).astype(jnp.float32)
     codes = unpack(take(x.codes), x.bits).astype(jnp.float32)  # [b, h, block, D]
     return codes.reshape(*codes.shape[:3], scale.shape[-1], -1), scale, low
 
 
 def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array, length: jax.Array, *,
-                       block: int = 64, scale: float | None = None):
+                       block: int = 64, scale: float | None = None, layer: jax.Array | int | None = None):
     """Online-softmax partials of q against a quantized segment.
 
     q [batch, kv_heads, group, head_dim]; k, v: `Quantized` [batch, kv_heads, slots, ...]; pos [batch, kv_heads,
     slots] (-1: empty); length [batch] (slots in use per row; slots >= length[b] are masked, and blocks past the
-    longest row are never read). Returns acc [b, h, group, head_dim], m and l [b, h, group] (float32).
+    longest row are never read). `layer`: k, v and pos are stacked over layers ([layers, batch, ...]) and that
+    layer is read, a block at a time, straight from the stack. Returns acc [b, h, group, head_dim], m and l
+    [b, h, group] (float32).
     """
     batch, kv_heads, group, head_dim = q.shape
-    slots = pos.shape[2]
+    slots = pos.shape[-1]
     block = min(block, slots)
     scale = head_dim**-0.5 if scale is None else scale
     length = jnp.broadcast_to(jnp.clip(jnp.asarray(length, jnp.int32), 0, slots), (batch,))  # [b]
     used_blocks = (length.max() + block - 1) // block
-    kg = k.scale.shape[-1]  # key groups
+    kg = max(k.scale.shape[-1], 1)  # key groups (a 16-bit side: one)
     qf = q.astype(jnp.float32) * scale  # [b, h, group, D]
     q_groups = qf.reshape(batch, kv_heads, group, kg, -1)  # [b, h, group, Gk, gk]
     q_sum = q_groups.sum(-1)  # [b, h, group, Gk]
@@ -64,9 +77,10 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
         acc, m, l = carry
         start = jnp.minimum(i * block, slots - block)  # the last block shifted back to fit; its repeats masked
         at = start + offsets  # [block]
-        k_codes, k_scale, k_low = _codes(k, start, block)  # [b, h, blk, Gk, gk], [b, h, blk, Gk] x 2
-        v_codes, v_scale, v_low = _codes(v, start, block)  # [b, h, blk, Gv, gv], [b, h, blk, Gv] x 2
-        p_blk = lax.dynamic_slice_in_dim(pos, start, block, axis=2)  # [b, h, blk]
+        k_codes, k_scale, k_low = _codes(k, start, block, layer, q.dtype)  # [b, h, blk, Gk, gk], [b, h, blk, Gk] x 2
+        v_codes, v_scale, v_low = _codes(v, start, block, layer, q.dtype)  # [b, h, blk, Gv, gv], [b, h, blk, Gv] x 2
+        p_blk = (lax.dynamic_slice_in_dim(pos, start, block, axis=2) if layer is None else
+                 lax.dynamic_slice(pos, (layer, 0, 0, start), (1, *pos.shape[1:3], block))[0])  # [b, h, blk]
         valid = (p_blk >= 0) & (at >= i * block)[None, None] & (at[None, None] < length[:, None, None])
         per_group = jnp.einsum("bhgGc,bhsGc->bhgsG", q_groups, k_codes, precision=_HIGHEST)
         s = (jnp.einsum("bhgsG,bhsG->bhgs", per_group, k_scale, precision=_HIGHEST)

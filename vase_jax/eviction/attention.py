@@ -75,6 +75,14 @@ def attention_score(inputs: EvictionInputs, config: EvictionConfig) -> jax.Array
     )
 
 
+def _magnitude(inputs: EvictionInputs, magnitude: str) -> jax.Array:
+    """Per-candidate value magnitude [b, h, L]: the cache's recorded Range(v) where it keeps one
+    (`inputs.value_range`, a mixed-precision cache), else computed from the values."""
+    if magnitude == "range" and inputs.value_range is not None:
+        return inputs.value_range
+    return scores.value_magnitude(inputs.values, magnitude)
+
+
 def _protect_then_fill(
     inputs: EvictionInputs,
     config: EvictionConfig,
@@ -88,7 +96,7 @@ def _protect_then_fill(
     length = inputs.keys.shape[2]
     kept, nv = config.kept, config.num_value_slots
     valid = inputs.valid  # [b, h, L]
-    m = scores.value_magnitude(inputs.values, magnitude)  # [b, h, L]
+    m = _magnitude(inputs, magnitude)  # [b, h, L]
     if sinks:
         m = jnp.where(scores.sink_mask(inputs.pos, config.sink_slots), jnp.inf, m)
     protected_ids = scores.masked_top_k(m, valid, nv)  # [b, h, Nv]
@@ -154,5 +162,5 @@ def attn_random(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) 
 def evict_large_range(inputs: EvictionInputs, config: EvictionConfig, key: jax.Array) -> jax.Array:
     """Keep the K candidates with the smallest Range(v), ascending (`evict_large_range`, "Evict Large")."""
     del key
-    m = scores.value_magnitude(inputs.values, "range")
+    m = _magnitude(inputs, "range")
     return scores.masked_top_k(-m, inputs.valid, config.kept)

@@ -47,6 +47,10 @@ class EvictionInputs:
     buffer_values: jax.Array  # [batch, kv_heads, B, head_dim]
     buffer_pos: jax.Array  # [batch, kv_heads, B] int32, -1 for padding
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [batch, kv_heads, L] float32
+    # Range(v) of each candidate as the cache recorded it from the 16-bit value when the token was written (a
+    # mixed-precision cache, `vase_jax.tiers`, whose quantized values would give a slightly different Range);
+    # None: Range is computed from `values`.
+    value_range: jax.Array | None = None  # [batch, kv_heads, L] float32
     attention_impl: str = struct.field(pytree_node=False, default="auto")  # scoring kernels: auto | xla | pallas
 
     @property

@@ -1,0 +1,200 @@
+"""The mixed-precision cache in `generate` (`vase_jax.tiers`, issue 27): the tiers' invariants traced tick by tick
+against NumPy, the 16-bit setting as today's program, errors before compiling, and the memory it saves."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vase_jax.cache import cache_bytes, init_cache
+from vase_jax.config import Qwen3Config
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.generate import GenerateConfig, decode_step, generate, lower_generate, prefill
+from vase_jax.kvquant import KVBits
+from vase_jax.random_model import TINY, random_model
+from vase_jax.tiers import init_tiered_cache, retier, tier_layout
+
+B = 16  # the buffer (tick period) of these tests
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(TINY, jnp.float32, seed=0, head_scale=4.0)
+
+
+def _prompts(seed: int = 0):
+    ids = jnp.asarray(np.random.RandomState(seed).randint(0, TINY.vocab_size, (2, 64)), jnp.int32)
+    mask = jnp.ones_like(ids).at[1, :21].set(0)  # row 0: 64 real tokens (64 % B = 0); row 1: 43 (43 % B = 11)
+    return ids, mask
+
+
+def _trace(model, eviction: EvictionConfig, kv_bits: KVBits, protected, steps: int):
+    """Prefill then `steps` greedy decode steps with a tick after each; the cache after every step (NumPy)."""
+    ids, mask = _prompts()
+    layout = tier_layout(kv_bits, protected, eviction, 64, steps + 8)
+    logits, cache = prefill(model, ids, mask, layout, 16 if eviction.evicts else 0, "xla",
+                            eviction.policy.state if eviction.evicts else ())
+    step = jax.jit(functools.partial(decode_step, attention_impl="xla"))
+    tick = jax.jit(lambda c: retier(c, eviction, jax.random.key(1), jnp.arange(2), "xla"))
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
+    snapshots = [jax.tree.map(np.asarray, cache)]
+    for _ in range(steps):
+        logits, cache = step(model, cache, token)
+        cache = tick(cache)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        snapshots.append(jax.tree.map(np.asarray, cache))
+    return layout, snapshots
+
+
+def _positions(c, layer, row, head):
+    """(positions in the 16-bit tier, in the quantized tier, {position: its codes and scales})."""
+    p16 = c.pos[layer, row, head]
+    pq = c.qpos[layer, row, head]
+    codes = {}
+    for i in np.flatnonzero(pq >= 0):
+        codes[int(pq[i])] = tuple(np.asarray(x[layer, row, head, i]).tobytes() for x in
+                                  (c.kq.codes, c.kq.scale, c.kq.low, c.vq.codes, c.vq.scale, c.vq.low))
+    return set(p16[p16 >= 0].tolist()), set(pq[pq >= 0].tolist()), codes
+
+
+def _check_history(snaps, layout, expect_all: bool):
+    """Across the trace: a token once quantized is never in 16 bits again and keeps its codes (quantized once);
+    both tiers never hold the same token; without eviction they hold every token so far."""
+    for layer in range(TINY.num_layers):
+        for row in range(2):
+            for head in range(TINY.num_kv_heads):
+                codes_seen: dict = {}
+                for c in snaps:
+                    s16, sq, codes = _positions(c, layer, row, head)
+                    assert not s16 & sq
+                    assert not s16 & set(codes_seen), "a quantized token came back to 16 bits"
+                    for p, cd in codes.items():
+                        assert codes_seen.setdefault(p, cd) == cd, "a token was quantized twice"
+                    if expect_all:
+                        assert s16 | sq == set(range(int(c.row_pos[row])))
+
+
+def _top_range(c, layer, row, head, layout, sinks: bool) -> set:
+    """NumPy reference of the 16-bit part after a tick: the P non-recent live tokens of largest Range(v) (the
+    sinks first where forced), from the recorded 16-bit Range of every virtual slot."""
+    f = layout.full_slots
+    pos = np.concatenate([c.pos[layer, row, head], c.qpos[layer, row, head]])
+    rng = c.value_range[layer, row, head].astype(np.float64)
+    newest = int(c.row_pos[row]) - layout.buffer
+    live = (pos >= 0) & (pos < newest)
+    score = np.where(sinks & (pos < layout.sink_slots), np.inf, rng)
+    order = sorted(np.flatnonzero(live), key=lambda j: (-score[j], j >= f))
+    return set(pos[order[:layout.protected]].tolist())
+
+
+def test_flush_keeps_the_top_range_tokens_in_16_bits_and_quantizes_each_token_once(tiny):
+    layout, snaps = _trace(tiny, EvictionConfig("full", buffer=B), KVBits(8, 4, 32, 16), 24, 3 * B)
+    assert layout.protected == 24 and layout.force_sinks
+    _check_history(snaps, layout, expect_all=True)
+    ticks = 0
+    for c in snaps[1:]:
+        for row in range(2):
+            if int(c.row_pos[row]) % B:
+                continue
+            ticks += 1
+            for layer in range(TINY.num_layers):
+                for head in range(TINY.num_kv_heads):
+                    s16, sq, _ = _positions(c, layer, row, head)
+                    newest = set(range(int(c.row_pos[row]) - B, int(c.row_pos[row])))
+                    assert newest <= s16  # the recent window stays in 16 bits
+                    assert s16 - newest == _top_range(c, layer, row, head, layout, sinks=True)
+                    assert {0, 1, 2, 3} <= s16  # the sinks
+    assert ticks >= 4
+
+
+def test_eviction_keeps_vase_protected_slots_in_16_bits(tiny):
+    eviction = EvictionConfig("vase_attnv", budget=48, buffer=B)  # K = 32, Nv = 12
+    layout, snaps = _trace(tiny, eviction, KVBits(8, 8, 32, 32), None, 5 * B)
+    assert layout.protected == eviction.num_value_slots == 12
+    _check_history(snaps, layout, expect_all=False)
+    ticks = 0
+    for c in snaps[1:]:
+        for row in range(2):
+            if int(c.row_pos[row]) % B:
+                continue
+            ticks += 1
+            for layer in range(TINY.num_layers):
+                for head in range(TINY.num_kv_heads):
+                    s16, _, _ = _positions(c, layer, row, head)
+                    newest = set(range(int(c.row_pos[row]) - B, int(c.row_pos[row])))
+                    assert s16 - newest == _top_range(c, layer, row, head, layout, sinks=True)
+    assert ticks >= 8
+    last = snaps[-1]
+    assert (last.evictions >= 2).all()
+    for row in range(2):
+        for layer in range(TINY.num_layers):
+            for head in range(TINY.num_kv_heads):
+                s16, sq, _ = _positions(last, layer, row, head)
+                assert len(s16) + len(sq) <= eviction.budget + B
+                assert {0, 1, 2, 3} <= s16  # VaSE's sinks stay, in 16 bits
+
+
+def test_16_bit_setting_is_the_existing_program(tiny):
+    ids, mask = _prompts()
+    base = GenerateConfig(max_new_tokens=8, temperature=0.0)
+    explicit = GenerateConfig(max_new_tokens=8, temperature=0.0, key_bits=16, value_bits=16, kv_protected=5)
+    eviction = EvictionConfig("vase_attnv", budget=32, buffer=B)
+    key = jax.random.key(0)
+    a = lower_generate(tiny, ids, mask, key=key, config=base, eviction=eviction).as_text()
+    b = lower_generate(tiny, ids, mask, key=key, config=explicit, eviction=eviction).as_text()
+    assert a == b
+
+
+def test_generate_with_a_quantized_cache_is_deterministic_and_compiles_once(tiny):
+    from vase_jax.generate import _generate
+
+    ids, mask = _prompts()
+    config = GenerateConfig(max_new_tokens=40, temperature=0.6, key_bits=8, value_bits=4, kv_group=16,
+                            return_cache=True)
+    eviction = EvictionConfig("vase_attnv", budget=48, buffer=B)
+    before = _generate.traces
+    a = generate(tiny, ids, mask, key=jax.random.key(3), config=config, eviction=eviction)
+    b = generate(tiny, ids, mask, key=jax.random.key(3), config=config, eviction=eviction)
+    assert _generate.traces - before == 1
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert int(a.evictions) >= 1
+    assert int(a.cache.qlength.max()) > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(key_bits=4, value_bits=8), "key_bits=4 < value_bits=8"),
+    (dict(key_bits=3, value_bits=3), "key_bits=3"),
+    (dict(key_bits=8, value_bits=8, kv_group=48), "must divide head_dim=32"),
+    (dict(key_bits=8, value_bits=8, kv_protected=4, method="snapkv"), "only methods that keep"),
+    (dict(key_bits=8, value_bits=8, kv_protected=40, method="vase_attnv"), "value_slots Nv = 12"),
+])
+def test_bad_settings_raise_before_compiling(tiny, kwargs, match):
+    method = kwargs.pop("method", "full")
+    ids, mask = _prompts()
+    eviction = EvictionConfig(method, budget=48, buffer=B)
+    with pytest.raises(ValueError, match=match):
+        generate(tiny, ids, mask, key=jax.random.key(0), config=GenerateConfig(max_new_tokens=4, **kwargs),
+                 eviction=eviction)
+
+
+def _bytes(layout=None, n=4096, b=64) -> int:
+    cfg = Qwen3Config(vocab_size=16, hidden_size=4096, intermediate_size=16, num_layers=1, num_heads=32,
+                      num_kv_heads=8, head_dim=128)
+    if layout is None:
+        return cache_bytes(jax.eval_shape(lambda: init_cache(cfg, 1, n + b, 0, jnp.bfloat16)))
+    return cache_bytes(jax.eval_shape(lambda: init_tiered_cache(cfg, 1, layout, 0, jnp.bfloat16)))
+
+
+def test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache():
+    """N = 4096, B = 64, P = N / 4 (VaSE-AttnV's Nv), K4V4: the whole cache (tiers, positions, recorded Range)
+    against the 16-bit cache of the same budget."""
+    eviction = EvictionConfig("vase_attnv", budget=4096, buffer=64)
+    layout = tier_layout(KVBits(4, 4), None, eviction, 256, 32768)
+    assert (layout.protected, layout.full_slots, layout.quant_slots) == (1024, 1152, 3072)
+    assert _bytes(layout) / _bytes() <= 0.5, _bytes(layout) / _bytes()
+    k8v8 = tier_layout(KVBits(8, 8), 0, EvictionConfig("vase_dkv", budget=4096, buffer=64), 256, 32768)
+    assert _bytes(k8v8) / _bytes() <= 0.6

@@ -1,0 +1,538 @@
+"""The mixed-precision KV cache: each layer's slots in a 16-bit tier and a quantized tier (issue 27).
+
+Layout (static shapes, per layer, row and kv head): the 16-bit tier is the cache's usual `k`, `v`, `pos` with
+F = P + 2B slots (rounded up to the attention block): P protected slots, then the B recent slots kept at the last
+tick and the B written since. The quantized tier (`kq`, `vq`: `kvquant.Quantized`, `qpos`) holds the other Q
+slots, each token's codes packed with one `scale` and `low` per group of channels. The virtual slot index that
+the eviction policies see runs over both tiers, the 16-bit tier's F slots first: `state` and `value_range` are
+laid out over it. `length` counts the 16-bit tier's slots in use (a decode step writes at `length - 1`, as in a
+16-bit cache) and `qlength` the quantized tier's.
+
+Ticks: every row, at every step where its own count of real tokens `seen` is a multiple of B (the eviction
+framework's period; `full` gets the same phase alignment), re-tiers its cache, one layer at a time:
+
+    candidates S  = the live slots of both tiers but the newest B (16-bit slots [length - B, length))
+    kept          = policy(S) when the row's eviction trigger fires (seen > N), else all of S (a flush)
+    16-bit part   = the P kept slots still in 16 bits with the largest protection score: Range(v) recorded
+                    from the 16-bit value at write, with the sinks (the `sink_slots` smallest positions) at
+                    +inf where the method forces them (VaSE-AttnV) and without eviction
+    16-bit tier  <- [16-bit part (P slots, in kept order; empty slots last) | the newest B | free]
+    quantized    <- every other kept slot: its codes if it was quantized, else quantized now (once)
+
+so a token is quantized at most once and never returns to 16 bits. A quantized token's recorded Range is lowered
+by one ulp, so that at equal Range a 16-bit token ranks first: then the P 16-bit slots always rank above every
+quantized one, and a policy that keeps its top-Nv Range slots (P <= Nv) always keeps P slots in 16 bits; the
+16-bit part never has to take a quantized slot (`overflow` counts it, and tests hold it at 0). Methods that do not
+protect Range get P = 0 with eviction (every kept slot quantized, the newest B in 16 bits).
+
+After the prefill the prompt is tiered the same way with the newest r = P_b mod B prompt tokens as the recent
+slots (the row's next tick comes B - r tokens later, when they and the decoded tokens are its newest B).
+
+Capacities: V = the 16-bit cache's slot count (`max(P_b, N) + B` with eviction, `P_b + max_new_tokens` without),
+F = P + 2B and Q = max(V - P - B, P_b - P) (right after a tick the 16-bit tier holds P + B of the tokens), each
+rounded up to the attention block.
+
+Decode attention: the 16-bit tier through the usual kernels' partials, the quantized tier through
+`quant_attention.quantized_partials` (scales folded into the einsums; no dequantized copy), merged by
+log-sum-exp. Eviction scoring sees dequantized keys and values, one layer at a time, and Range from
+`value_range`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE, decode_attention_partials_reference
+from vase_jax.cache import (
+    KVCache,
+    _apply_state,
+    _padding,
+    _ring_times,
+    _unpad,
+    _write_slots,
+    as_bits,
+    decode_slot_weights,
+    from_bits,
+    init_cache,
+    layer_of,
+    ordered_queries,
+    stored,
+    write_query_ring,
+)
+from vase_jax.cache import write_token as write_16
+from vase_jax.config import Qwen3Config
+from vase_jax.eviction import framework, scores
+from vase_jax.eviction.config import EvictionConfig
+from vase_jax.eviction.registry import METHODS, EvictionInputs
+from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, split_kept
+from vase_jax.quant_attention import merge, quantized_partials
+from vase_jax.sampling import fold_rows, typed_key
+from vase_jax.target import Target
+
+# Methods whose kept set always holds their top-Nv Range candidates (with eviction, P <= Nv slots stay in 16
+# bits), and whether they force the sinks into that set.
+RANGE_PROTECTING = {"range_attn": False, "range_sample_attn": False, "vase_attnv": True}
+
+
+def _align(n: int) -> int:
+    return -(-n // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLayout:
+    """The static sizes of a mixed-precision cache (module docstring)."""
+
+    kv_bits: KVBits
+    protected: int  # P: 16-bit slots kept for their Range (sinks included)
+    buffer: int  # B: the recent slots and the tick period
+    sink_slots: int  # forced into the 16-bit part when `force_sinks`
+    force_sinks: bool
+    full_slots: int  # F
+    quant_slots: int  # Q
+
+    @property
+    def virtual_slots(self) -> int:
+        return self.full_slots + self.quant_slots
+
+
+def protects_range(eviction: EvictionConfig) -> bool:
+    """Whether the method keeps its top-Nv Range candidates at every eviction (so P <= Nv may stay 16-bit)."""
+    if eviction.method not in RANGE_PROTECTING:
+        return False
+    return getattr(eviction.options, "magnitude", "range") == "range"
+
+
+def default_protected(eviction: EvictionConfig, virtual_slots: int) -> int:
+    """P when the caller gives none: VaSE's Nv with a Range-protecting method, 0 with another evicting method,
+    a quarter of the cache without eviction."""
+    if not eviction.evicts:
+        return virtual_slots // 4
+    return eviction.num_value_slots if protects_range(eviction) else 0
+
+
+def check_protected(protected: int, eviction: EvictionConfig, virtual_slots: int) -> None:
+    """ValueError naming `kv_protected` when P cannot be kept in 16 bits by this method."""
+    if isinstance(protected, bool) or not isinstance(protected, int) or protected < 0:
+        raise ValueError(f"GenerateConfig.kv_protected={protected!r} must be a non-negative int (or None)")
+    if not eviction.evicts:
+        if protected > virtual_slots:
+            raise ValueError(f"GenerateConfig.kv_protected={protected} exceeds the cache's {virtual_slots} slots")
+        return
+    if protected and not protects_range(eviction):
+        raise ValueError(
+            f"GenerateConfig.kv_protected={protected} with method {eviction.method!r}: only methods that keep "
+            f"their top-Nv Range slots ({', '.join(sorted(RANGE_PROTECTING))}, magnitude 'range') keep slots in "
+            "16 bits under eviction; use kv_protected=0 (or None)")
+    if protected > eviction.num_value_slots:
+        raise ValueError(f"GenerateConfig.kv_protected={protected} must be <= the method's value_slots Nv = "
+                         f"{eviction.num_value_slots}")
+
+
+def tier_layout(kv_bits: KVBits, protected: int | None, eviction: EvictionConfig, prompt_slots: int,
+                max_new_tokens: int) -> TierLayout:
+    """The layout of a mixed-precision cache for these settings (validated; ValueError naming the parameter)."""
+    buffer = eviction.buffer
+    if buffer < 1:
+        raise ValueError(f"EvictionConfig.buffer={buffer} must be >= 1 (the mixed-precision cache's period)")
+    virtual = (max(prompt_slots, eviction.budget) + buffer if eviction.evicts
+               else prompt_slots + max_new_tokens)
+    p = default_protected(eviction, virtual) if protected is None else protected
+    check_protected(p, eviction, virtual)
+    force = (not eviction.evicts) or RANGE_PROTECTING.get(eviction.method, False)
+    # Right after a tick the 16-bit tier holds the P and the newest B, after the prefill the P and r >= 0.
+    quant = max(virtual - p - buffer, prompt_slots - p, 0)
+    return TierLayout(kv_bits=kv_bits, protected=p, buffer=buffer, sink_slots=eviction.sink_slots if p else 0,
+                      force_sinks=force and p > 0, full_slots=_align(p + 2 * buffer), quant_slots=_align(quant))
+
+
+# ---- storage -------------------------------------------------------------------------------------------------
+def _quantize(x: jax.Array, tiers: TierLayout, which: str, cache_dtype, bits_storage: bool) -> Quantized:
+    """x [..., D] in the cache's float dtype -> the quantized tier's storage of one side."""
+    kv = tiers.kv_bits
+    q = quantize(x, kv.bits(which), kv.group(which), refine=kv.refine, scale_dtype=cache_dtype)
+    if q.bits == 16 and bits_storage:
+        q = q.replace(codes=as_bits(x.astype(cache_dtype)))
+    return q
+
+
+def _dequantize(x: Quantized, dtype) -> jax.Array:
+    """A quantized tier's codes [..., D] back to floats (`dtype`)."""
+    if x.bits == 16:
+        return from_bits(x.codes, dtype).astype(dtype)
+    return dequantize(x, dtype)
+
+
+def init_tiered_cache(cfg: Qwen3Config, batch: int, tiers: TierLayout, window: int, dtype, state: tuple = (),
+                      target: Target | None = None) -> KVCache:
+    """An empty mixed-precision cache (`cache.init_cache` for the 16-bit tier, plus the quantized tier)."""
+    cache = init_cache(cfg, batch, tiers.full_slots, window, dtype, (), target)
+    lead = (cfg.num_layers, batch, cfg.num_kv_heads, tiers.quant_slots)
+    zeros = jnp.zeros(lead + (cfg.head_dim,), dtype)
+    bits_storage = cache.k.dtype == jnp.uint16
+    kq = jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "key", dtype, bits_storage))
+    vq = jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "value", dtype, bits_storage))
+    virtual = lead[:3] + (tiers.virtual_slots,)
+    return cache.replace(
+        kq=kq, vq=vq, qpos=jnp.full(lead, -1, jnp.int32), qlength=jnp.zeros((batch,), jnp.int32),
+        value_range=jnp.zeros(virtual, jnp.float32), tiers=tiers, state_specs=tuple(state),
+        state={spec.name: jnp.zeros(virtual, jnp.float32) for spec in state})
+
+
+def _layer_quantized(x: Quantized, layer) -> Quantized:
+    return jax.tree.map(lambda a: layer_of(a, layer), x)
+
+
+def _set_layer(stack: jax.Array, layer, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, axis=0)
+
+
+def _set_quantized_layer(stack: Quantized, layer, value: Quantized) -> Quantized:
+    return jax.tree.map(lambda s, v: _set_layer(s, layer, v), stack, value)
+
+
+def _gather(x: jax.Array, src: jax.Array) -> jax.Array:
+    """x [b, h, S, ...] at slots src [b, h, T] (clipped into range) -> [b, h, T, ...]."""
+    idx = jnp.clip(src, 0, x.shape[2] - 1)
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
+
+
+def _lower(r: jax.Array) -> jax.Array:
+    """Range one ulp lower: a quantized token ranks after a 16-bit one of equal Range."""
+    return jnp.nextafter(r, jnp.float32(-jnp.inf))
+
+
+def value_range(v: jax.Array) -> jax.Array:
+    """Range(v) = max_c v - min_c v in float32: v [..., D] -> [...]."""
+    return scores.value_magnitude(v, "range")
+
+
+def _protection(rng: jax.Array, pos: jax.Array, tiers: TierLayout) -> jax.Array:
+    """The 16-bit part's ranking score [b, h, S]: Range, the sinks at +inf where forced."""
+    if tiers.force_sinks:
+        return jnp.where(scores.sink_mask(pos, tiers.sink_slots), jnp.inf, rng)
+    return rng
+
+
+def _top_in_order(score: jax.Array, eligible: jax.Array, p: int) -> tuple[jax.Array, jax.Array]:
+    """The p eligible slots of largest score, in slot order: (idx [b, h, p], valid [b, h, p])."""
+    n = score.shape[-1]
+    if p == 0:
+        return jnp.zeros(score.shape[:-1] + (0,), jnp.int32), jnp.zeros(score.shape[:-1] + (0,), bool)
+    take = min(p, n)
+    top = scores.masked_top_k(score, eligible, take)  # [b, h, take]
+    ok = jnp.take_along_axis(eligible, top, axis=-1)
+    top = jnp.sort(jnp.where(ok, top, n + top), axis=-1)  # eligible first, in slot order
+    ok = top < n
+    top = jnp.where(ok, top, -1)
+    if take < p:
+        pad = [(0, 0)] * (top.ndim - 1) + [(0, p - take)]
+        top, ok = jnp.pad(top, pad, constant_values=-1), jnp.pad(ok, pad)
+    return top, ok
+
+
+def _rest_in_order(eligible: jax.Array, chosen: jax.Array, size: int) -> jax.Array:
+    """The eligible slots not `chosen` ([b, h, S] bool each), in slot order, as [b, h, size] (-1 past them)."""
+    n = eligible.shape[-1]
+    rest = eligible & ~chosen
+    order = jnp.argsort(~rest, axis=-1, stable=True)[..., :min(size, n)]  # the rest first, in slot order
+    order = jnp.where(jnp.take_along_axis(rest, order, axis=-1), order, -1)
+    if size > n:
+        order = jnp.pad(order, [(0, 0)] * (order.ndim - 1) + [(0, size - n)], constant_values=-1)
+    return order.astype(jnp.int32)
+
+
+def _scatter_mask(idx: jax.Array, n: int) -> jax.Array:
+    """[b, h, n] bool: the slots named in idx [b, h, k] (-1 ignored)."""
+    hit = jnp.zeros(idx.shape[:-1] + (n + 1,), bool)
+    hit = jnp.put_along_axis(hit, jnp.where(idx < 0, n, idx), True, axis=-1, inplace=False)
+    return hit[..., :n]
+
+
+# ---- writing the tiers of one layer -----------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sources:
+    """The contents new slots are taken from, for one layer: `keys`, `values` [b, h, S, D] floats, `pos`,
+    `value_range` [b, h, S], `state` name -> [b, h, S] (S source slots), and `old_codes`: the quantized tier's
+    (kq, vq) of this layer, or None."""
+
+    keys: jax.Array
+    values: jax.Array
+    pos: jax.Array
+    value_range: jax.Array
+    state: dict
+    old_codes: tuple | None
+
+
+def _write_layer(cache: KVCache, layer, src: Sources, src16: jax.Array, srcq: jax.Array, fresh: jax.Array,
+                 rows: jax.Array | None) -> KVCache:
+    """Rewrite layer `layer` of both tiers.
+
+    src16 [b, h, F]: the source slot of each 16-bit slot (-1: empty); srcq [b, h, Q]: of each quantized slot, a
+    source slot where `fresh` [b, h, Q] (quantized now from the source's 16-bit value), else a slot of the old
+    quantized tier whose codes it keeps (`src.old_codes`), or -1 (empty). rows [batch] bool: the rows rewritten
+    (None: all; the others keep their layer as it is).
+    """
+    t = cache.tiers
+    f = t.full_slots
+    dtype = cache.float_dtype
+    bits_storage = cache.k.dtype == jnp.uint16
+
+    def keep(new, old):
+        if rows is None:
+            return new
+        return jnp.where(rows.reshape(rows.shape + (1,) * (new.ndim - 1)), new, old)
+
+    def set_layer(stack, value):
+        return _set_layer(stack, layer, keep(value, layer_of(stack, layer)))
+
+    ok16 = src16 >= 0
+    okq = srcq >= 0
+    old_q = okq & ~fresh
+    k16 = jnp.where(ok16[..., None], _gather(src.keys, src16), 0).astype(dtype)  # [b, h, F, D]
+    v16 = jnp.where(ok16[..., None], _gather(src.values, src16), 0).astype(dtype)
+    new = cache.replace(k=set_layer(cache.k, stored(k16, cache)), v=set_layer(cache.v, stored(v16, cache)),
+                        pos=set_layer(cache.pos, jnp.where(ok16, _gather(src.pos, src16), -1)))
+
+    # Per-slot arrays over the virtual slots [16-bit tier | quantized tier]: the old quantized tier's own slots
+    # are virtual slots F + i of the old layout, which the caller's `src` arrays cover (`Sources` over V slots).
+    fresh_src = jnp.where(fresh, srcq, -1)
+    virtual_q = jnp.where(old_q, srcq + (f if src.old_codes is not None else 0), fresh_src)
+    vsrc = jnp.concatenate([src16, virtual_q], axis=-1)  # [b, h, V]
+    ok = vsrc >= 0
+    rng = jnp.where(ok, _gather(src.value_range, vsrc), 0.0)
+    rng = jnp.concatenate([rng[..., :f], jnp.where(fresh, _lower(rng[..., f:]), rng[..., f:])], axis=-1)
+    new = new.replace(value_range=set_layer(cache.value_range, rng),
+                      state={name: set_layer(x, jnp.where(ok, _gather(src.state[name], vsrc), 0.0))
+                             for name, x in cache.state.items()})
+    if not t.quant_slots:
+        return new
+    kq = _quantize(jnp.where(fresh[..., None], _gather(src.keys, fresh_src), 0).astype(dtype), t, "key", dtype,
+                   bits_storage)
+    vq = _quantize(jnp.where(fresh[..., None], _gather(src.values, fresh_src), 0).astype(dtype), t, "value",
+                   dtype, bits_storage)
+    if src.old_codes is not None:  # slots already quantized keep their codes
+        def pick(n, o):
+            return jnp.where(old_q.reshape(old_q.shape + (1,) * (n.ndim - 3)), _gather(o, srcq), n)
+
+        kq = jax.tree.map(pick, kq, src.old_codes[0])
+        vq = jax.tree.map(pick, vq, src.old_codes[1])
+    qpos = jnp.where(okq, _gather(src.pos, virtual_q), -1)
+    return new.replace(kq=jax.tree.map(set_layer, cache.kq, kq), vq=jax.tree.map(set_layer, cache.vq, vq),
+                       qpos=set_layer(cache.qpos, qpos))
+
+
+def _sources_16(score: jax.Array, eligible: jax.Array, recent: jax.Array, tiers: TierLayout) -> tuple:
+    """(src16 [b, h, F], chosen [b, h, S]): the P eligible slots of largest score in slot order, then `recent`
+    [b, B] (-1: none), then empty slots; `chosen` marks the P."""
+    b, h, n = score.shape
+    top, _ = _top_in_order(score, eligible, tiers.protected)  # [b, h, P]
+    src16 = jnp.concatenate([top, jnp.broadcast_to(recent[:, None], (b, h, recent.shape[-1]))], axis=-1)
+    src16 = jnp.pad(src16, ((0, 0), (0, 0), (0, tiers.full_slots - src16.shape[-1])), constant_values=-1)
+    return src16, _scatter_mask(top, n)
+
+
+def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
+    """`cache.start_prompt` for a mixed-precision cache: the counters of the tiered prompt (`write_prompt`
+    writes the positions per layer)."""
+    t = cache.tiers
+    real = token_mask.sum(axis=1).astype(jnp.int32)  # [batch]
+    recent = real % t.buffer
+    quantized = jnp.maximum(real - recent - t.protected, 0)
+    return cache.replace(query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, seen=real,
+                         length=t.protected + recent, qlength=jnp.minimum(quantized, t.quant_slots),
+                         evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
+
+
+def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array,
+                 slot_weights: jax.Array | None = None) -> KVCache:
+    """Write one layer of a left-padded prompt into an empty mixed-precision cache (after `start_prompt`): row
+    b's real tokens but the newest r = P_b mod B are tiered (the P of largest protection score in 16 bits, the
+    others quantized, in order), the newest r go to the recent slots. `slot_weights` [b, h, seq]: the prompt's
+    attention weights per slot for the per-slot state (`cache.prefill_state`'s sums, padded), or None.
+
+    k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
+    """
+    t = cache.tiers
+    pad = _padding(token_mask)  # [batch]
+    seq = k.shape[2]
+    real = seq - pad  # [batch]
+    recent = real % t.buffer
+    k_u, v_u = _unpad(k, pad, 2), _unpad(v, pad, 2)  # [b, h, seq, D], real tokens first
+    slot = jnp.arange(seq)
+    live = slot[None] < real[:, None]  # [b, seq]
+    pos = jnp.broadcast_to(jnp.where(live, slot[None], -1)[:, None], k_u.shape[:3])  # [b, h, seq]
+    rng = value_range(v_u)  # [b, h, seq]
+    candidate = jnp.broadcast_to((slot[None] < (real - recent)[:, None])[:, None], pos.shape)  # [b, h, seq]
+    recent_src = jnp.where(jnp.arange(t.buffer)[None] < recent[:, None],
+                           (real - recent)[:, None] + jnp.arange(t.buffer)[None], -1)  # [b, B]
+    src16, chosen = _sources_16(_protection(rng, pos, t), candidate, recent_src, t)
+    srcq = _rest_in_order(candidate, chosen, t.quant_slots)  # [b, h, Q]
+    state = {}
+    for spec in cache.state_specs:
+        w = jnp.zeros(pos.shape, jnp.float32) if slot_weights is None else _unpad(slot_weights, pad, 2)
+        state[spec.name] = jnp.where(pos >= 0, spec.update(jnp.zeros(w.shape, jnp.float32), w), 0.0)
+    src = Sources(k_u, v_u, pos, rng, state, None)
+    new = _write_layer(cache, layer, src, src16, srcq, srcq >= 0, None)
+    return write_query_ring(new, layer, q, token_mask)
+
+
+# ---- decode steps ------------------------------------------------------------------------------------------
+def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array) -> KVCache:
+    """`cache.write_token` into the 16-bit tier, and the token's Range(v) into `value_range`."""
+    new = write_16(cache, layer, k, v, q)
+    b, h = k.shape[:2]
+    rows, heads = jnp.arange(b)[:, None], jnp.arange(h)[None, :]
+    slot = _write_slots(cache)[:, None]  # [batch, 1]; inactive rows: out of range, dropped
+    rng = value_range(v[:, :, 0].astype(cache.float_dtype))  # [b, h]
+    return new.replace(value_range=cache.value_range.at[layer, rows, heads, slot].set(rng, mode="drop"))
+
+
+def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -> jax.Array:
+    """Decode attention of q [batch, kv_heads, group, head_dim] over both tiers of layer `layer`, merged by
+    log-sum-exp: [batch, kv_heads, group, head_dim] in q's dtype."""
+    del attention_impl  # TODO(issue 27): the Pallas kernels' partials
+    lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
+    parts = [decode_attention_partials_reference(q, cache.k, cache.v, cache.pos, lengths, layer=layer)]
+    if cache.tiers.quant_slots:
+        qlengths = jnp.where(cache.active, cache.qlength, 0)
+        parts.append(quantized_partials(q, cache.kq, cache.vq, cache.qpos, qlengths, layer=layer))
+    return merge(parts, q.dtype)
+
+
+def virtual_layer(cache: KVCache, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer over the virtual slots, floats (the quantized tier dequantized): keys, values
+    [b, h, V, D] and pos [b, h, V]."""
+    dtype = cache.float_dtype
+    keys, values = cache.layer_keys(layer), cache.layer_values(layer)
+    pos = layer_of(cache.pos, layer)
+    if not cache.tiers.quant_slots:
+        return keys, values, pos
+    kq, vq = _layer_quantized(cache.kq, layer), _layer_quantized(cache.vq, layer)
+    return (jnp.concatenate([keys, _dequantize(kq, dtype)], axis=2),
+            jnp.concatenate([values, _dequantize(vq, dtype)], axis=2),
+            jnp.concatenate([pos, layer_of(cache.qpos, layer)], axis=2))
+
+
+def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
+    """`cache.update_state` over the virtual slots (the quantized keys dequantized; one layer)."""
+    keys, _, pos = virtual_layer(cache, layer)
+    f = cache.tiers.full_slots
+    slot = jnp.arange(pos.shape[-1])
+    live = jnp.where(slot < f, slot < cache.length[:, None, None], slot - f < cache.qlength[:, None, None])
+    w = decode_slot_weights(q, keys, jnp.where(live, pos, -1), jnp.full_like(cache.length, pos.shape[-1]))
+    return _apply_state(cache, layer, w, cache.active)
+
+
+# ---- ticks -------------------------------------------------------------------------------------------------
+def rows_due(cache: KVCache) -> jax.Array:
+    """[batch] bool: the rows at a tick after this step (they took a token and `seen` is a multiple of B)."""
+    return cache.active & (cache.seen % cache.tiers.buffer == 0)
+
+
+def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
+           attention_impl: str = "auto") -> KVCache:
+    """The tick of every due row (`rows_due`), over every layer: an eviction where the row's trigger fires, a
+    flush otherwise (module docstring). Rows not due are untouched; with none due the loop runs zero times."""
+    t = cache.tiers
+    due = rows_due(cache)
+    evicting = due & framework.trigger(cache.seen, eviction) if eviction.evicts else jnp.zeros_like(due)
+    f, p, b_ = t.full_slots, t.protected, t.buffer
+    key = typed_key(key)
+    per_row = key if key.ndim == 1 else None
+    batch = cache.length.shape[0]
+    newest = cache.length[:, None] - b_ + jnp.arange(b_)[None]  # [b, B] 16-bit slots of the newest B
+
+    def one_layer(layer, c: KVCache) -> KVCache:
+        keys, values, vpos = virtual_layer(c, layer)  # [b, h, V, D] x 2, [b, h, V]
+        v_slots = vpos.shape[-1]
+        slot = jnp.arange(v_slots)
+        is_q = slot >= f  # [V]
+        live = jnp.where(is_q, slot - f < c.qlength[:, None, None], slot < c.length[:, None, None]) & (vpos >= 0)
+        recent = jnp.broadcast_to(newest[:, None], vpos.shape[:2] + (b_,))  # [b, h, B]
+        candidate = live & ~_scatter_mask(recent, v_slots)  # [b, h, V]
+        rng = layer_of(c.value_range, layer)  # [b, h, V]
+        state = {name: layer_of(x, layer) for name, x in c.state.items()}
+        score = _protection(rng, jnp.where(candidate, vpos, -1), t)
+
+        # A flush: the P best 16-bit candidates stay, the other 16-bit candidates are quantized after the
+        # quantized tier's `qlength` slots, which stay where they are.
+        src16, chosen = _sources_16(score, candidate & ~is_q, newest, t)
+        appended = _rest_in_order(candidate & ~is_q, chosen, t.quant_slots)  # [b, h, Q] virtual 16-bit slots
+        i = jnp.broadcast_to(jnp.arange(t.quant_slots), appended.shape)
+        stays = i < c.qlength[:, None, None]
+        srcq = jnp.where(stays, i, _gather(appended, i - c.qlength[:, None, None]))
+        fresh = ~stays & (srcq >= 0)
+
+        if eviction.evicts:  # an eviction: the policy's kept slots, split by `kvquant.split_kept`'s rule
+            kept = _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row,
+                           row_ids, attention_impl, batch)  # [b, h, K] virtual slots
+            ev16, evq, evfresh = _split(kept, is_q, score, newest, t)
+            rows = evicting[:, None, None]
+            src16, srcq, fresh = (jnp.where(rows, e, x) for e, x in ((ev16, src16), (evq, srcq), (evfresh, fresh)))
+        src = Sources(keys, values, vpos, rng, state, (_layer_quantized(c.kq, layer), _layer_quantized(c.vq, layer)))
+        return _write_layer(c, layer, src, src16, srcq, fresh, due)
+
+    layers = jnp.where(jnp.any(due), cache.num_layers, 0)
+    with jax.named_scope("retier"):
+        new = jax.lax.fori_loop(0, layers, one_layer, cache)
+    # New counters: the 16-bit tier holds P + B; the quantized tier what the flush appended or the K - P kept.
+    fresh_count = _flush_count(cache, t)
+    qlength = jnp.where(evicting, eviction.kept - p if eviction.evicts else 0,
+                        jnp.minimum(cache.qlength + fresh_count, t.quant_slots))
+    budget = eviction.budget if eviction.evicts else 0
+    return new.replace(length=jnp.where(due, p + b_, cache.length), qlength=jnp.where(due, qlength, cache.qlength),
+                       seen=jnp.where(evicting, budget, cache.seen),
+                       evictions=cache.evictions + evicting.astype(jnp.int32))
+
+
+def _flush_count(cache: KVCache, tiers: TierLayout) -> jax.Array:
+    """[batch] tokens a flush quantizes: the 16-bit candidates beyond the P kept (the same for every layer and
+    kv head: each holds the same number of tokens)."""
+    pos = cache.pos[0, :, 0]  # [b, F]
+    slot = jnp.arange(pos.shape[-1])
+    count = ((pos >= 0) & (slot[None] < (cache.length - tiers.buffer)[:, None])).sum(-1)
+    return jnp.maximum(count - tiers.protected, 0).astype(jnp.int32)
+
+
+def _split(kept: jax.Array, is_q: jax.Array, score: jax.Array, newest: jax.Array, tiers: TierLayout):
+    """An eviction's new tiers from the policy's kept virtual slots [b, h, K] (`kvquant.split_kept`'s rule):
+    (src16 [b, h, F]: the P, then the newest B [b, B]; srcq [b, h, Q]: the other kept slots, a virtual 16-bit
+    slot where `fresh`, else the old quantized tier's slot; fresh [b, h, Q])."""
+    b, h, _ = kept.shape
+    p, f, q = tiers.protected, tiers.full_slots, tiers.quant_slots
+    full, quant, fresh = split_kept(kept, jnp.broadcast_to(is_q, (b, h, is_q.shape[-1])), score, p)
+    src16 = jnp.concatenate([full, jnp.broadcast_to(newest[:, None], (b, h, newest.shape[-1]))], axis=-1)
+    src16 = jnp.pad(src16, ((0, 0), (0, 0), (0, f - src16.shape[-1])), constant_values=-1)
+    extra = max(q - quant.shape[-1], 0)
+    quant = jnp.pad(quant, ((0, 0), (0, 0), (0, extra)), constant_values=-1)[..., :q]
+    fresh = jnp.pad(fresh, ((0, 0), (0, 0), (0, extra)))[..., :q] & (quant >= 0)
+    return src16, jnp.where(fresh, quant, jnp.where(quant >= 0, quant - f, -1)), fresh
+
+
+def _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row, row_ids,
+            attention_impl, batch):
+    """The policy's kept virtual slots [b, h, K] for this layer (`framework.select_layer` over both tiers)."""
+    method = METHODS[eviction.method]
+    if per_row is None:
+        layer_key = jax.random.fold_in(key, layer)
+        event_key = fold_rows(jnp.broadcast_to(layer_key, (batch,)), c.evictions)
+    else:
+        layer_key = fold_rows(per_row, jnp.full((batch,), layer, jnp.int32))
+        event_key = fold_rows(layer_key, c.evictions)
+    h = vpos.shape[1]
+    idx = jnp.broadcast_to(newest[:, None], (batch, h, newest.shape[-1]))
+    if method.needs_queries:
+        queries, query_valid = ordered_queries(c, layer)
+    else:
+        queries = jnp.zeros((batch, h, 1, 0, keys.shape[-1]), keys.dtype)
+        query_valid = jnp.zeros((batch, 0), bool)
+    inputs = EvictionInputs(
+        keys=keys, values=values, queries=queries, query_valid=query_valid, pos=jnp.where(candidate, vpos, -1),
+        layer_key=layer_key, row_ids=row_ids, buffer_keys=_gather(keys, idx), buffer_values=_gather(values, idx),
+        buffer_pos=_gather(vpos, idx), state={s.name: state[s.name] for s in method.state}, value_range=rng,
+        attention_impl=attention_impl)
+    return framework.run_policy(inputs, eviction, event_key)
