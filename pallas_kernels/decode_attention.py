@@ -156,9 +156,11 @@ def _decode_kernel(
     params: DecodeParams,
     scale: float,
     has_block_mask: bool,
+    partials: bool = False,
 ):
-    """One (row, kv head, split) program: online softmax over the split's blocks. With one split it writes the
-    normalized output (q's dtype), else its accumulator, max and sum (float32) for the merge."""
+    """One (row, kv head, split) program: online softmax over the split's blocks. With one split (and not
+    `partials`) it writes the normalized output (q's dtype), else its accumulator, max and sum (float32) for the
+    merge, or, with `partials` and one split, as the result."""
     block_mask_ref = refs[0] if has_block_mask else None  # [num_blocks] int32
     out_refs = refs[1:] if has_block_mask else refs
     block_size = params.block_size
@@ -211,7 +213,7 @@ def _decode_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(first, stop, body, init)
-    if params.num_splits == 1:
+    if params.num_splits == 1 and not partials:
         (out_ref,) = out_refs  # [rows, head_dim] in q's dtype
         plgpu.store(out_ref.at[pl.ds(0, rows), :], _normalized(acc, l).astype(out_ref.dtype), mask=row_ok[:, None])
     else:
@@ -226,13 +228,16 @@ def _normalized(acc, l):
     return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, num_splits: int):
+def _merge_kernel(o_ref, m_ref, l_ref, *out_refs, group: int, num_splits: int, partials: bool = False):
     """One (row, kv head) program: the splits' partials merged by log-sum-exp in one pass (online over splits).
-    o_ref [splits, rows, head_dim], m_ref, l_ref [splits, rows] float32 -> out_ref [rows, head_dim].
+    o_ref [splits, rows, head_dim], m_ref, l_ref [splits, rows] float32 -> out_refs: the output [rows, head_dim]
+    (acc / l), or with `partials` the merged (acc [rows, head_dim], m [rows], l [rows]) float32, unnormalized:
+
+        M = max_s m_s,   acc = sum_s e^{m_s - M} o_s,   l = sum_s e^{m_s - M} l_s,   m = M
 
     Unrolled (num_splits is static and small): the partials of `_MERGE_LOADS` splits are loaded together, then
     combined, so a program waits for one memory round trip per that many splits, not per split."""
-    rows, head_dim = out_ref.shape
+    rows, head_dim = out_refs[0].shape
     row_ok = jnp.arange(rows, dtype=jnp.int32) < group
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _NEG, jnp.float32)
@@ -254,11 +259,56 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, num_splits: int):
             old = jnp.where(m == m_new, 1.0, jnp.exp(m - m_new))
             new = jnp.where(m_s == m_new, 1.0, jnp.exp(m_s - m_new))
             acc, m, l = acc * old[:, None] + o_s * new[:, None], m_new, l * old + l_s * new
+    if partials:
+        acc_ref, m_out_ref, l_out_ref = out_refs  # [rows, head_dim], [rows], [rows] float32
+        plgpu.store(acc_ref.at[pl.ds(0, rows), :], acc, mask=row_ok[:, None])
+        plgpu.store(m_out_ref.at[pl.ds(0, rows)], m, mask=row_ok)
+        plgpu.store(l_out_ref.at[pl.ds(0, rows)], l, mask=row_ok)
+        return
+    (out_ref,) = out_refs  # [rows, head_dim]
     plgpu.store(out_ref.at[pl.ds(0, rows), :], _normalized(acc, l).astype(out_ref.dtype), mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("params", "scale", "interpret"))
-def _decode_pallas(q, k, v, pos, length, block_mask, layer, *, params: DecodeParams, scale, interpret):
+def merge_splits(o_s, m_s, l_s, *, group: int, rows: int, interpret: bool, out_dtype=None):
+    """The merge kernel over a call's split partials: o_s [batch, kv_heads, splits, group, head_dim], m_s, l_s
+    [batch, kv_heads, splits, group] float32 -> the output [batch, kv_heads, group, head_dim] in `out_dtype`, or
+    with `out_dtype=None` the merged partials (acc, m, l) float32 (`_merge_kernel`). One program per (row, kv
+    head); `rows` is the group padded for the kernel's register tiles."""
+    batch, kv_heads, num_splits, _, head_dim = o_s.shape
+    partials = out_dtype is None
+    if partials:
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0)),
+            pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0)),
+        ]
+    else:
+        out_shape = jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), out_dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, group=group, num_splits=num_splits, partials=partials),
+        grid=(batch, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, None, num_splits, rows, head_dim), lambda b, h: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, num_splits, rows), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, num_splits, rows), lambda b, h: (b, h, 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(_MERGE_WARPS, 2),
+        interpret=interpret,
+        name="vase_decode_attention_merge" + ("_partials" if partials else ""),
+    )(o_s, m_s, l_s)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "scale", "interpret", "partials"))
+def _decode_pallas(q, k, v, pos, length, block_mask, layer, *, params: DecodeParams, scale, interpret,
+                   partials=False):
     batch, kv_heads, group, head_dim = q.shape
     if layer is None:  # one layer: a stack of 1 (free reshapes)
         k, v, pos, layer = k[None], v[None], pos[None], 0
@@ -283,7 +333,7 @@ def _decode_pallas(q, k, v, pos, length, block_mask, layer, *, params: DecodePar
         num_blocks = block_mask.shape[2]
         in_specs.append(pl.BlockSpec((None, None, num_blocks), lambda b, h, s: (b, h, 0)))
         args.append(block_mask.astype(jnp.int32))  # [batch, kv_heads, num_blocks]
-    if num_splits == 1:  # the output itself
+    if num_splits == 1 and not partials:  # the output itself
         out_shape = jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     else:  # per split: the unnormalized accumulator o_s, the running max m_s and the running sum l_s
@@ -298,7 +348,7 @@ def _decode_pallas(q, k, v, pos, length, block_mask, layer, *, params: DecodePar
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
         ]
     kernel = functools.partial(
-        _decode_kernel, group=group, params=params, scale=scale, has_block_mask=has_block_mask
+        _decode_kernel, group=group, params=params, scale=scale, has_block_mask=has_block_mask, partials=partials
     )
     result = pl.pallas_call(
         kernel,
@@ -311,23 +361,11 @@ def _decode_pallas(q, k, v, pos, length, block_mask, layer, *, params: DecodePar
         name="vase_decode_attention",
     )(*args)
     if num_splits == 1:
-        return result
-
+        # the output, or with `partials` the one split's (acc, m, l): dropping the split axis is a free reshape
+        return tuple(x[:, :, 0] for x in result) if partials else result
     o_s, m_s, l_s = result  # [batch, kv_heads, splits, group(, head_dim)]
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, group=group, num_splits=num_splits),
-        grid=(batch, kv_heads),
-        in_specs=[
-            pl.BlockSpec((None, None, num_splits, rows, head_dim), lambda b, h: (b, h, 0, 0, 0)),
-            pl.BlockSpec((None, None, num_splits, rows), lambda b, h: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, num_splits, rows), lambda b, h: (b, h, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
-        compiler_params=triton_params(_MERGE_WARPS, 2),
-        interpret=interpret,
-        name="vase_decode_attention_merge",
-    )(o_s, m_s, l_s)
+    return merge_splits(o_s, m_s, l_s, group=group, rows=rows, interpret=interpret,
+                        out_dtype=None if partials else q.dtype)
 
 
 def decode_attention(
@@ -378,17 +416,62 @@ def decode_attention(
     if block_mask is not None and block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     _check_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
+    params = _launch(q, k.shape[-2], device_kind, block_size, num_splits, num_warps, num_stages)
+    return _decode_pallas(
+        q, k, v, pos, length, block_mask, layer, params=params, scale=_scale(scale, q.shape[3]),
+        interpret=bool(interpret),
+    )
+
+
+def _launch(q, capacity: int, device_kind, block_size, num_splits, num_warps, num_stages) -> DecodeParams:
+    """The launch parameters of one call (`decode_tuning.decode_params`), after the kernel's head_dim check."""
     batch, kv_heads, group, head_dim = q.shape
     if not is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 for the Pallas kernel")
-    params = decode_params(
-        batch=batch, kv_heads=kv_heads, group=group, head_dim=head_dim, capacity=k.shape[-2], dtype=q.dtype,
+    return decode_params(
+        batch=batch, kv_heads=kv_heads, group=group, head_dim=head_dim, capacity=capacity, dtype=q.dtype,
         device_kind=device_kind, block_size=block_size, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def decode_attention_partials(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    length: jax.Array | int,
+    *,
+    block_size: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+    scale: float | None = None,
+    block_mask: jax.Array | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    layer: jax.Array | int | None = None,
+    device_kind: str | None = None,
+    **unused,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention`'s kernels (same arguments, same launch parameters), returning the unnormalized partials
+    instead of the output, for a cache held in several segments (`vase_jax.quant_attention.merge`):
+
+        m = max_j s_j,   l = sum_j e^{s_j - m},   acc = sum_j e^{s_j - m} v_j      over the valid slots j
+
+    acc [batch, kv_heads, group, head_dim], m and l [batch, kv_heads, group], float32; a (row, kv head) without a
+    valid slot has acc = 0, l = 0 and m = -1e30 (the convention of `decode_attention_partials_reference`). The
+    splits are merged inside (the merge kernel's partials variant); with one split the kernel writes them itself.
+    `acc / l` (0 where l = 0) is `decode_attention`'s output before its cast to q's dtype. `block_mask` is
+    accepted as in `decode_attention`.
+    """
+    del unused
+    if block_mask is not None and block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
+    _check_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
+    params = _launch(q, k.shape[-2], device_kind, block_size, num_splits, num_warps, num_stages)
     return _decode_pallas(
-        q, k, v, pos, length, block_mask, layer, params=params, scale=_scale(scale, head_dim),
-        interpret=bool(interpret),
+        q, k, v, pos, length, block_mask, layer, params=params, scale=_scale(scale, q.shape[3]),
+        interpret=bool(interpret), partials=True,
     )
 
 

@@ -66,13 +66,15 @@ def _decode_kernel(
     k_ref,  # [block, head_dim]
     v_ref,  # [block, head_dim]
     pos_ref,  # [1, block] int32
-    o_ref,  # [rows, head_dim]
-    m_ref,  # VMEM scratch [rows, LANES] f32, running max (replicated over lanes)
-    l_ref,  # VMEM scratch [rows, LANES] f32, running sum
-    acc_ref,  # VMEM scratch [rows, head_dim] f32, unnormalized output
-    *,
+    *refs,
     scale: float,
+    partials: bool = False,
 ):
+    """One (row, kv head) pair's online softmax, one block per grid step. Outputs: o_ref [rows, head_dim] (the
+    normalized output), or with `partials` the unnormalized acc [rows, head_dim] and m, l [rows, LANES] (float32,
+    lane-replicated). Scratch: m_ref, l_ref [rows, LANES] (running max and sum, replicated over lanes), acc_ref
+    [rows, head_dim] (float32)."""
+    out_refs, (m_ref, l_ref, acc_ref) = refs[:-3], refs[-3:]
     i = pl.program_id(2)
     block = k_ref.shape[0]
     head_dim = k_ref.shape[1]
@@ -112,13 +114,20 @@ def _decode_kernel(
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _finish():
+        if partials:
+            acc_out_ref, m_out_ref, l_out_ref = out_refs
+            acc_out_ref[...] = acc_ref[...]
+            m_out_ref[...] = m_ref[...]
+            l_out_ref[...] = l_ref[...]
+            return
+        (o_ref,) = out_refs
         l = lanes_to(l_ref[...], head_dim)  # [rows, head_dim]
         out = jnp.where(l > 0.0, acc_ref[...] / jnp.where(l > 0.0, l, 1.0), 0.0)
         o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret"))
-def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "partials"))
+def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret, partials=False):
     batch, kv_heads, group, head_dim = q.shape
     if layer is None:  # one layer: a stack of 1 (free reshapes)
         k, v, pos, layer = k[None], v[None], pos[None], 0
@@ -140,6 +149,12 @@ def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret):
         layer, b, h, j, _ = kv_index(b, h, i, scalars_ref)
         return layer, b, h, 0, j
 
+    out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, i, n: (b, h, 0, 0))
+    out_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), q.dtype)
+    if partials:  # acc [batch, kv_heads, rows, head_dim], m and l [batch, kv_heads, rows, LANES] (lane-replicated)
+        out_specs = [out_specs, *[pl.BlockSpec((None, None, rows, LANES), lambda b, h, i, n: (b, h, 0, 0))] * 2]
+        out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), jnp.float32),
+                     *[jax.ShapeDtypeStruct((batch, kv_heads, rows, LANES), jnp.float32)] * 2]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, kv_heads, num_blocks),
@@ -149,7 +164,7 @@ def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret):
             pl.BlockSpec((None, None, None, block, head_dim), kv_index),
             pl.BlockSpec((None, None, None, 1, block), pos_index),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h, i, n: (b, h, 0, 0)),
+        out_specs=out_specs,
         scratch_shapes=[
             pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, LANES), jnp.float32),
@@ -157,13 +172,16 @@ def _decode_tpu(q, k, v, pos, length, layer, *, block_size, scale, interpret):
         ],
     )
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale),
+        functools.partial(_decode_kernel, scale=scale, partials=partials),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), q.dtype),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        name="vase_decode_attention_tpu",
+        name="vase_decode_attention_tpu" + ("_partials" if partials else ""),
     )(scalars, q_rows, k, v, pos5)
+    if partials:
+        acc, m, l = out
+        return acc[:, :, :group], m[:, :, :group, 0], l[:, :, :group, 0]
     return out[:, :, :group]
 
 
@@ -205,3 +223,31 @@ def decode_attention_tpu(
     head_dim = q.shape[3]
     scale = float(head_dim**-0.5 if scale is None else scale)
     return _decode_tpu(q, k, v, pos, length, layer, block_size=block_size, scale=scale, interpret=interpret)
+
+
+def decode_attention_partials_tpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    length: jax.Array | int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE_TPU,
+    scale: float | None = None,
+    interpret=False,
+    layer: jax.Array | int | None = None,
+    **unused,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention_tpu`'s kernel (same arguments) returning the unnormalized partials instead of the output:
+
+        m = max_j s_j,   l = sum_j e^{s_j - m},   acc = sum_j e^{s_j - m} v_j      over the valid slots j
+
+    acc [batch, kv_heads, group, head_dim], m and l [batch, kv_heads, group], float32; a (row, kv head) without a
+    valid slot has acc = 0, l = 0, m = -1e30 (as `decode_attention_partials_reference`), for a cache held in
+    several segments merged by log-sum-exp (`vase_jax.quant_attention.merge`)."""
+    del unused
+    _check_args(q, k, v, pos, length, block_size, layer)
+    head_dim = q.shape[3]
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    return _decode_tpu(q, k, v, pos, length, layer, block_size=block_size, scale=scale, interpret=interpret,
+                       partials=True)
