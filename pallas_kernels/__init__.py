@@ -3,12 +3,16 @@
 | operation | Triton (GPU) | Mosaic TPU | pure JAX (XLA) |
 |---|---|---|---|
 | decode attention | `decode_attention` | `decode_attention_tpu` | `decode_attention_reference` |
+| its partials (acc, m, l) | `decode_attention_partials` | `..._partials_tpu` | `..._partials_reference` |
+| partials, quantized segment | `quant_decode_partials` | `quant_decode_partials_tpu` | `vase_jax.quant_attention` |
 | its launch parameters | `decode_tuning.decode_params` (per device kind and shape) | - | - |
 | window-attention mass | `window_mass` | `window_mass_tpu` | in `vase_jax.eviction.window_score` |
 
-`get_decode_attention(impl)` / `get_window_mass(impl, xla)` return the implementation for `impl` (see
-`dispatch`: "auto" picks the kernel of the platform being lowered for, the XLA path elsewhere). This package
-imports nothing from `vase_jax`: the window score's equation and its reference live there, and call in here.
+`get_decode_attention(impl)`, `get_decode_partials(impl)`, `get_quant_decode_partials(impl)` and
+`get_window_mass(impl, xla)` return the implementation for `impl` (see `dispatch`: "auto" picks the kernel of the
+platform being lowered for, the XLA path elsewhere). This package imports nothing from `vase_jax` at import time:
+the window score's equation and its reference live there, and call in here; the quantized segment's XLA reference
+(`vase_jax.quant_attention`, which imports this package) is imported when its implementation is chosen.
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.decode_attention_tpu import decode_attention_tpu
+from pallas_kernels.decode_attention import (
+    decode_attention,
+    decode_attention_partials,
+    decode_attention_partials_reference,
+    decode_attention_reference,
+)
+from pallas_kernels.decode_attention_tpu import decode_attention_partials_tpu, decode_attention_tpu
 from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning, current_device_kind, decode_params
 from pallas_kernels.dispatch import IMPLS, check_impl, per_device, select
 from pallas_kernels.eviction_scores import window_mass
 from pallas_kernels.eviction_scores_tpu import window_mass_tpu
+from pallas_kernels.quant_decode_attention import quant_decode_partials
+from pallas_kernels.quant_decode_attention_tpu import quant_decode_partials_tpu
 
 __all__ = [
     "IMPLS",
@@ -33,11 +44,18 @@ __all__ = [
     "check_impl",
     "current_device_kind",
     "decode_attention",
+    "decode_attention_partials",
+    "decode_attention_partials_reference",
+    "decode_attention_partials_tpu",
     "decode_attention_reference",
     "decode_attention_tpu",
     "decode_params",
     "get_decode_attention",
+    "get_decode_partials",
+    "get_quant_decode_partials",
     "get_window_mass",
+    "quant_decode_partials",
+    "quant_decode_partials_tpu",
     "select",
     "window_mass",
     "window_mass_tpu",
@@ -75,6 +93,90 @@ def get_decode_attention(impl: str = "auto", **kernel_options) -> Callable:
         return per_device(chosen, specs, rows_heads)(*args)
 
     return attend
+
+
+def get_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
+    """f(q, k, v, pos, length, layer=None) -> (acc, m, l) for `impl`: the unnormalized partials of decode attention
+    over a 16-bit segment (`decode_attention_partials_reference` and its kernels), float32, acc [batch, kv_heads,
+    group, head_dim], m and l [batch, kv_heads, group]; arguments as `get_decode_attention`'s. Under a mesh each
+    device runs the kernel on its own rows ("data") and kv heads ("model")."""
+
+    def bind(fn: Callable, **fixed) -> Callable:
+        def call(q, k, v, pos, length, *layer):
+            return fn(q, k, v, pos, length, layer=layer[0] if layer else None, **fixed, **kernel_options)
+
+        return call
+
+    def reference(q, k, v, pos, length, layer=None, **options):  # the reference takes its own options only
+        keep = {name: options[name] for name in ("block_size", "scale") if options.get(name) is not None}
+        return decode_attention_partials_reference(q, k, v, pos, length, layer=layer, **keep)
+
+    chosen = select(
+        impl,
+        xla=bind(reference),
+        triton=lambda interpret: bind(decode_attention_partials, interpret=interpret),
+        tpu=lambda interpret: bind(decode_attention_partials_tpu, interpret=interpret),
+    )
+
+    def attend(q, k, v, pos, length, layer=None):
+        args = (q, k, v, pos, length) + (() if layer is None else (layer,))
+        if impl == "xla":
+            return chosen(*args)
+        kv = P(*((None,) if layer is not None else ()), "data", "model")  # [(layers,) batch, kv_heads, slots, ...]
+        lengths = P("data") if jnp.ndim(length) else P()
+        specs = (_ROWS_HEADS, kv, kv, kv, lengths) + (() if layer is None else (P(),))
+        return per_device(chosen, specs, (_ROWS_HEADS,) * 3)(*args)
+
+    return attend
+
+
+def get_quant_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
+    """f(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length, layer=None) -> (acc, m, l) for `impl`:
+    the partials over a quantized segment (`quant_decode_partials`' arguments and result; `kernel_options` must hold
+    `key_bits` and `value_bits`, and may hold launch parameters, `block_size` and `scale`). "xla" is
+    `vase_jax.quant_attention.quantized_partials` on the same arrays (as `Quantized`). Under a mesh each device runs
+    the kernel on its own rows ("data") and kv heads ("model")."""
+    for name in ("key_bits", "value_bits"):
+        if name not in kernel_options:
+            raise ValueError(f"get_quant_decode_partials needs {name}= (8 or 4) among its options")
+
+    def bind(fn: Callable, **fixed) -> Callable:
+        def call(q, kc, ks, kl, vc, vs, vl, pos, length, *layer):
+            return fn(q, kc, ks, kl, vc, vs, vl, pos, length, layer=layer[0] if layer else None, **fixed,
+                      **kernel_options)
+
+        return call
+
+    def reference(q, kc, ks, kl, vc, vs, vl, pos, length, layer=None, *, key_bits, value_bits, **options):
+        # imported here: vase_jax.quant_attention imports this package
+        from vase_jax.kvquant import Quantized  # noqa: PLC0415
+        from vase_jax.quant_attention import quantized_partials  # noqa: PLC0415
+
+        keep = {"block" if name == "block_size" else name: options[name] for name in ("block_size", "scale")
+                if options.get(name) is not None}
+        return quantized_partials(q, Quantized(kc, ks, kl, key_bits), Quantized(vc, vs, vl, value_bits), pos,
+                                  length, layer=layer, **keep)
+
+    chosen = select(
+        impl,
+        xla=bind(reference),
+        triton=lambda interpret: bind(quant_decode_partials, interpret=interpret),
+        tpu=lambda interpret: bind(quant_decode_partials_tpu, interpret=interpret),
+    )
+
+    def attend(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length, layer=None):
+        args = (q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length) + (() if layer is None else (layer,))
+        if impl == "xla":
+            return chosen(*args)
+        kv = P(*((None,) if layer is not None else ()), "data", "model")  # [(layers,) batch, kv_heads, slots, ...]
+        lengths = P("data") if jnp.ndim(length) else P()
+        specs = (_ROWS_HEADS,) + (kv,) * 7 + (lengths,) + (() if layer is None else (P(),))
+        return per_device(chosen, specs, (_ROWS_HEADS,) * 3)(*args)
+
+    return attend
+
+
+_ROWS_HEADS = P("data", "model")  # [batch, kv_heads, ...]: q, acc, m and l
 
 
 def get_window_mass(impl: str, xla: Callable, **kernel_options) -> Callable:
