@@ -9,6 +9,12 @@ that does not divide the blocks, and a block mask. The compiled program must hol
 slice of the stacked cache. Launch parameters come from the table through the abstract H200 that
 `dispatch.lowering_target` installs (the device kind the kernel sees while tracing).
 
+The mixed-precision cache's kernels (issue 27) as well: the quantized tier's partials (`quant_decode_partials`,
+K8V8, K8V4 and K4V4 at head_dim 128, GQA group 4, with and without splits) and the 16-bit tier's
+(`decode_attention_partials`) for the H200, and their Mosaic twins (`quant_decode_partials_tpu`,
+`decode_attention_partials_tpu`) for a TPU v5p (libtpu: `pip install "jax[tpu]==<jax>"`), each over a stacked
+cache read by a traced layer index, without a copy or slice of the stack.
+
 Marked `aot`; needs the H200's JAX plugin (`pip install "jax[cuda13-local]==<jax>"`, `vase_jax.aot`) and skips
 without it. The suite's persistent compilation cache is off here: a deviceless program cannot be loaded from it.
 """
@@ -24,7 +30,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import decode_tuning, dispatch
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import decode_attention, decode_attention_partials
+from pallas_kernels.decode_attention_tpu import decode_attention_partials_tpu
+from pallas_kernels.quant_decode_attention import quant_decode_partials
+from pallas_kernels.quant_decode_attention_tpu import quant_decode_partials_tpu
 from vase_jax import aot
 
 pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache"),
@@ -35,10 +44,9 @@ LAYERS = 2
 H200_ROWS = sorted((key for key in decode_tuning.TABLE if key[0] == H200), key=repr)
 
 
-
 @functools.cache
-def _sharding() -> NamedSharding:
-    device = aot.TARGETS["h200"].devices()[0]
+def _sharding(target: str = "h200") -> NamedSharding:
+    device = aot.TARGETS[target].devices()[0]
     return NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec())
 
 
@@ -101,3 +109,92 @@ def test_variants_compile(variant):
     group = 1 if variant == "group-1" else 5
     text = _compile(16, 8, group, 128, 2080, jnp.bfloat16, **options)
     assert _merged(text) == (variant != "one-split")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the mixed-precision cache's kernels: partials of the quantized tier and of the 16-bit tier
+# ------------------------------------------------------------------------------------------------------------
+QUANT_SETTINGS = {"K8V8": (8, 8, 128, 128), "K8V4": (8, 4, 128, 64), "K4V4": (4, 4, 64, 64),
+                  "K4V4g32": (4, 4, 32, 32)}
+
+
+def _compile_partials(target: str, kind: str, *, batch: int = 16, kv_heads: int = 8, group: int = 4,
+                      head_dim: int = 128, capacity: int = 3072, dtype=jnp.bfloat16, **options) -> str:
+    """The optimized HLO of one tier's partials over layer `l` of a stacked cache, compiled for `target` ("h200":
+    the Triton kernels, "v5p": the Mosaic ones); `kind` a `QUANT_SETTINGS` key or "16-bit"."""
+    reason = aot.missing(target)
+    if reason:
+        pytest.skip(reason)
+
+    def arg(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=_sharding(target))
+
+    slots = (LAYERS, batch, kv_heads, capacity)
+    head = [arg((batch, kv_heads, group, head_dim), dtype)]
+    tail = [arg(slots, jnp.int32), arg((batch,), jnp.int32), arg((), jnp.int32)]
+    if kind == "16-bit":
+        fn = decode_attention_partials if target == "h200" else decode_attention_partials_tpu
+        cache = [arg(slots + (head_dim,), dtype)] * 2
+        stacked = {slots + (head_dim,)}
+
+        def attend(q, k, v, pos, length, layer):
+            return fn(q, k, v, pos, length, layer=layer, **options)
+    else:
+        key_bits, value_bits, key_group, value_group = QUANT_SETTINGS[kind]
+        fn = quant_decode_partials if target == "h200" else quant_decode_partials_tpu
+        cache, stacked = [], set()
+        for bits, size in ((key_bits, key_group), (value_bits, value_group)):
+            parts = [slots + (head_dim * bits // 8,), slots + (head_dim // size,), slots + (head_dim // size,)]
+            cache += [arg(parts[0], jnp.uint8), arg(parts[1], dtype), arg(parts[2], dtype)]
+            # XLA:TPU keeps arrays whose minor dim is under 128 lanes (the scales, 4-bit codes) in a compact layout
+            # and copies them into the kernel's tiled one at every call (TPU_RELAYOUTS); checked on the H200 only
+            stacked |= set(parts) if target == "h200" else {parts[0]} if bits == 8 else set()
+
+        def attend(q, kc, ks, kl, vc, vs, vl, pos, length, layer):
+            return fn(q, kc, ks, kl, vc, vs, vl, pos, length, key_bits=key_bits, value_bits=value_bits, layer=layer,
+                      **options)
+
+    with dispatch.lowering_target("cuda" if target == "h200" else "tpu"):
+        text = jax.jit(attend).lower(*head, *cache, *tail).compile().as_text()
+    stacked |= {slots}
+    assert aot.copies_of(text, stacked) == [] and aot.copying_reads(text, stacked) == []
+    return text
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_SETTINGS))
+@pytest.mark.parametrize("batch", [16, 128])
+def test_quant_partials_compile_h200(kind, batch):
+    text = _compile_partials("h200", kind, batch=batch)
+    key_bits, value_bits = QUANT_SETTINGS[kind][:2]
+    assert f"vase_quant_decode_k{key_bits}v{value_bits}" in text
+    splits = decode_tuning.decode_params(batch=batch, kv_heads=8, group=4, head_dim=128, capacity=3072,
+                                         dtype=jnp.bfloat16, device_kind=H200).num_splits
+    assert ("vase_decode_attention_merge_partials" in text) == (splits > 1)
+
+
+@pytest.mark.parametrize("variant", ["float32", "one-split", "splits-3"])
+def test_quant_partials_variants_compile_h200(variant):
+    options = {"float32": dict(dtype=jnp.float32), "one-split": dict(num_splits=1),
+               "splits-3": dict(num_splits=3)}[variant]
+    text = _compile_partials("h200", "K4V4g32", **options)
+    assert "vase_quant_decode_k4v4" in text
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_16bit_partials_compile_h200(num_splits):
+    text = _compile_partials("h200", "16-bit", num_splits=num_splits)
+    assert "vase_decode_attention" in text
+    assert ("vase_decode_attention_merge_partials" in text) == (num_splits > 1)
+
+
+# Known, not fixed here: on the TPU the quantized tier's arrays with fewer than 128 lanes per slot, the scale and
+# low [..., slots, groups] and 4-bit codes [..., slots, 64], are copied into the Mosaic kernel's tiled layout at
+# every call (XLA:TPU lays them out compactly). A TPU cache should keep them lane-dense (e.g. scales group-major
+# [..., groups, slots]); the 8-bit codes, pos and the 16-bit tier are read in place.
+TPU_RELAYOUTS = "scale, low, 4-bit codes"
+
+
+@pytest.mark.parametrize("kind", ["K8V8", "K8V4", "K4V4", "K4V4g32", "16-bit"])
+def test_partials_compile_tpu(kind):
+    text = _compile_partials("v5p", kind)
+    assert ("vase_decode_attention_tpu_partials" if kind == "16-bit" else "vase_quant_decode_tpu") in text
