@@ -198,3 +198,42 @@ def test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache():
     assert _bytes(layout) / _bytes() <= 0.5, _bytes(layout) / _bytes()
     k8v8 = tier_layout(KVBits(8, 8), 0, EvictionConfig("vase_dkv", budget=4096, buffer=64), 256, 32768)
     assert _bytes(k8v8) / _bytes() <= 0.6
+
+
+@pytest.mark.parametrize("method", ["vase_attnv", "full"])
+def test_continuous_engine_gives_generates_tokens(tiny, method):
+    """A quantized cache in the continuous engine: every sample's tokens equal its row of a static `generate`."""
+    from vase_jax import batching
+
+    rng = np.random.default_rng(0)
+    lengths, caps = (20, 37, 50, 9, 61), (70, 40, 90, 25, 60)
+    prompts = [tuple(int(x) for x in rng.integers(1, 500, n)) for n in lengths]
+    keys = [jax.random.fold_in(jax.random.key(0), i) for i in range(len(prompts))]
+    config = GenerateConfig(max_new_tokens=90, temperature=0.8, eos_token_ids=(), key_bits=8, value_bits=4,
+                            kv_group=16)
+    eviction = EvictionConfig(method, budget=48, buffer=B)
+    ids = np.stack([np.pad(np.array(p, np.int32), (64 - len(p), 0)) for p in prompts])
+    mask = (ids != 0).astype(np.int32)
+    static = generate(tiny, ids, mask, key=jnp.stack(keys), config=config, eviction=eviction,
+                      max_new_tokens=np.array(caps))
+    reqs = [batching.Request(p, k, i, c, tag=i) for i, (p, k, c) in enumerate(zip(prompts, keys, caps, strict=True))]
+    results = batching.run(tiny, reqs, rows=2, config=config, eviction=eviction)
+    assert sorted(r.tag for r in results) == list(range(len(prompts)))
+    for r in results:
+        np.testing.assert_array_equal(r.tokens, np.asarray(static.tokens)[r.tag, : int(static.num_tokens[r.tag])])
+        assert r.evictions == int(static.row_evictions[r.tag])
+
+
+def test_a_rows_token_does_not_depend_on_the_batch_size():
+    """XLA:CPU sums a [rows, vocab] array's rows in an order that depends on the number of rows; sampling one
+    row at a time (`Target.rowwise_sampling`) gives a row the same token in batches of 1, 2, 4 and 8 rows."""
+    from vase_jax.sampling import SamplingConfig, sample
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(8, 151936)) * 3, jnp.float32)
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95)
+    draw = jax.jit(lambda lg, key, rows: sample(lg, key, cfg, rows, rowwise=True))
+    for seed in range(16):
+        key = jax.random.key(seed)
+        tokens = [np.asarray(draw(logits[:n], key, jnp.arange(n)))[0] for n in (1, 2, 4, 8)]
+        assert len(set(tokens)) == 1, tokens

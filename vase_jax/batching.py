@@ -48,7 +48,9 @@ from vase_jax.generate import (
     ended_by_token,
     first_tokens,
     generate_target,
+    generate_tiers,
     no_events,
+    phase_wait,
     prefill,
     query_window,
     split_keys,
@@ -57,6 +59,7 @@ from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.target import Target
+from vase_jax.tiers import TierLayout, init_tiered_cache, staged_quant_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,24 +166,45 @@ def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sam
     sample_key, _ = split_keys(keys, keys.shape[0])
     logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
                             framework.slot_state(eviction), target=target)
-    first = first_tokens(logits, sample_key, row_ids, config)
+    first = first_tokens(logits, sample_key, row_ids, config, target=target)
     return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
 
 
-def _one_row(staged: KVCache, j, capacity: int) -> KVCache:
-    """Row `j` of the staged cache as a batch-1 cache of `capacity` slots (the slots past the staged ones empty, as
-    `init_cache` makes them)."""
+# The arrays of a mixed-precision cache's quantized tier (`vase_jax.tiers`) beyond `CACHE_AXES`: batch axis 1 and
+# slot axis 3 (quantized slots, or the virtual slots of `value_range`), except `qlength` [batch].
+TIER_FIELDS = ("kq", "vq", "qpos", "value_range")
+
+
+def _one_row(staged: KVCache, j, like: KVCache) -> KVCache:
+    """Row `j` of the staged cache as a batch-1 cache with the slots of `like` (the slots past the staged ones
+    empty, as `init_cache` makes them; a mixed-precision cache's quantized tier likewise)."""
+    capacity = like.capacity
+
+    def pad_to(x, axis: int, size: int, fill):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, size - x.shape[axis])
+        return jnp.pad(x, pad, constant_values=jnp.asarray(fill, x.dtype))
 
     def take(x, name: str, axes: tuple[str, ...]):
         x = jax.lax.dynamic_slice_in_dim(x, j, 1, batch_axis(name))
         if "slots" not in axes:
             return x
-        pad = [(0, 0)] * x.ndim
-        pad[axes.index("slots")] = (0, capacity - x.shape[axes.index("slots")])
-        return jnp.pad(x, pad, constant_values=jnp.asarray(-1 if name == "pos" else 0, x.dtype))
+        return pad_to(x, axes.index("slots"), capacity, -1 if name == "pos" else 0)
 
     fields = {name: take(getattr(staged, name), name, axes) for name, axes in CACHE_AXES.items()}
-    state = {name: take(x, "state", STATE_AXES) for name, x in staged.state.items()}
+    if staged.tiers is not None:  # the quantized tier and the virtual slots' arrays, padded at their ends
+        def tier(x, size, fill):
+            return pad_to(jax.lax.dynamic_slice_in_dim(x, j, 1, 1), 3, size, fill)
+
+        virtual = like.value_range.shape[3]
+        fields |= dict(
+            kq=jax.tree.map(lambda x, y: tier(x, y.shape[3], 0), staged.kq, like.kq),
+            vq=jax.tree.map(lambda x, y: tier(x, y.shape[3], 0), staged.vq, like.vq),
+            qpos=tier(staged.qpos, like.qpos.shape[3], -1), value_range=tier(staged.value_range, virtual, 0),
+            qlength=jax.lax.dynamic_slice_in_dim(staged.qlength, j, 1), tiers=like.tiers)
+        state = {name: tier(x, virtual, 0) for name, x in staged.state.items()}
+    else:
+        state = {name: take(x, "state", STATE_AXES) for name, x in staged.state.items()}
     return staged.replace(**fields, state=state)
 
 
@@ -190,6 +214,12 @@ def _put_row(big: KVCache, one: KVCache, row) -> KVCache:
                                                         batch_axis(name)) for name in CACHE_AXES}
     state = {name: jax.lax.dynamic_update_slice_in_dim(x, one.state[name], row, batch_axis("state"))
              for name, x in big.state.items()}
+    if big.tiers is not None:
+        def put(x, y, axis=1):
+            return jax.lax.dynamic_update_slice_in_dim(x, y, row, axis)
+
+        fields |= {name: jax.tree.map(put, getattr(big, name), getattr(one, name)) for name in TIER_FIELDS}
+        fields["qlength"] = put(big.qlength, one.qlength, 0)
     return big.replace(**fields, state=state)
 
 
@@ -217,17 +247,16 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
     rows = free.shape[0]
     order = jnp.nonzero(free, size=rows, fill_value=0)[0]  # free rows first
     n = jnp.minimum(free.sum(dtype=jnp.int32), staged.count - e.used)
-    capacity = e.loop.cache.capacity
 
     def admit_one(i, e: EngineState) -> EngineState:
         row, j = order[i], e.used + i
         s = e.loop
-        one = _one_row(staged.cache, j, capacity)
+        one = _one_row(staged.cache, j, s.cache)
         first = jax.lax.dynamic_slice_in_dim(staged.first, j, 1)
         cap = jax.lax.dynamic_slice_in_dim(staged.cap, j, 1)
         key = jax.lax.dynamic_slice_in_dim(staged.key, j, 1)
         sample_key, evict_key = split_keys(key, 1)
-        wait = framework.phase_wait(one.seen[0] - phase, s.step, eviction)
+        wait = phase_wait(one.seen[0] - phase, s.step, eviction, s.cache.tiers)
         tokens_row = jnp.full((1, s.tokens.shape[1]), config.pad_id, jnp.int32).at[0, 0].set(first[0])
 
         def put(x, value):  # x [rows, ...] <- value [1, ...] at `row`
@@ -275,7 +304,8 @@ def _init_state(cfg, dtype, rows: int, queue: int, config: GenerateConfig, evict
     width = max(rows, 2) if target.pads_lone_rows else rows
     sample = jnp.full((width,), FREE, jnp.int32).at[rows:].set(UNUSED)
     rows = width
-    cache = init_cache(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction), target)
+    make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
+    cache = make(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction), target)
     keys = jnp.broadcast_to(jax.random.key(0), (rows,))
     zeros = jnp.zeros((rows,), jnp.int32)
     loop = LoopState(cache=cache.replace(active=jnp.zeros((rows,), bool)),
@@ -332,6 +362,9 @@ def run(
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
     capacity = framework.capacity_for(eviction, slots, config.max_new_tokens)
+    if config.kv_bits.quantizes:  # a mixed-precision cache; the staged prompts' quantized tier holds a prompt
+        capacity = generate_tiers(model.cfg, config, eviction, slots)
+        slots = dataclasses.replace(capacity, quant_slots=staged_quant_slots(capacity, slots))
     graphdef, params = nnx.split(model)
     e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity, target)
     pending = collections.deque(enumerate(requests))

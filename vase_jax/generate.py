@@ -333,12 +333,7 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
     capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
     if config.kv_bits.quantizes:  # a mixed-precision cache: its layout (validated) instead of one capacity
-        kv_bits = config.kv_bits_for(model.cfg.head_dim)
-        try:
-            kv_bits.validate(model.cfg.head_dim)
-        except ValueError as e:
-            raise ValueError(f"GenerateConfig: {e}") from None
-        capacity = tier_layout(kv_bits, config.kv_protected, eviction, t, config.max_new_tokens)
+        capacity = generate_tiers(model.cfg, config, eviction, t)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
@@ -355,6 +350,25 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     graphdef, state = nnx.split(model)
     return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, target,
             mesh)
+
+
+def generate_tiers(cfg, config: GenerateConfig, eviction: EvictionConfig, prompt_slots: int) -> TierLayout:
+    """The mixed-precision cache's layout for prompts of `prompt_slots` (a bucket) and these settings; ValueError
+    naming the parameter."""
+    kv_bits = config.kv_bits_for(cfg.head_dim)
+    try:
+        kv_bits.validate(cfg.head_dim)
+    except ValueError as e:
+        raise ValueError(f"GenerateConfig: {e}") from None
+    return tier_layout(kv_bits, config.kv_protected, eviction, prompt_slots, config.max_new_tokens)
+
+
+def phase_wait(seen, step, eviction: EvictionConfig, tiers: TierLayout | None = None):
+    """`framework.phase_wait`, and for a mixed-precision cache (which ticks every B steps with or without
+    eviction) the wait that puts its ticks on the batch's: (seen - step) mod B."""
+    if tiers is not None:
+        return (seen - step) % tiers.buffer
+    return framework.phase_wait(seen, step, eviction)
 
 
 def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -376,9 +390,10 @@ def whole_vocab(logits: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
 
 
 def first_tokens(logits: jax.Array, sample_key: jax.Array, row_ids: jax.Array, config: GenerateConfig,
-                 mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+                 mesh: jax.sharding.Mesh | None = None, target: Target | None = None) -> jax.Array:
     """Token 0 of every row, from the prefill's logits [batch, vocab]: [batch] int32."""
-    return sample(whole_vocab(logits, mesh), fold_rows(sample_key, jnp.zeros_like(row_ids)), config.sampling, row_ids)
+    return sample(whole_vocab(logits, mesh), fold_rows(sample_key, jnp.zeros_like(row_ids)), config.sampling, row_ids,
+                  rowwise=target is not None and target.rowwise_sampling)
 
 
 def ended(token: jax.Array, num_tokens: jax.Array, cap: jax.Array, config: GenerateConfig) -> jax.Array:
@@ -408,7 +423,8 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
         active = ~s.done & (s.step >= s.start)
         logits, cache = decode_step(model, s.cache.replace(active=active), s.last, impl, target)
         cache = constrain_cache(cache, mesh)  # the loop carry keeps the cache's sharding: no reshuffling per step
-        token = sample(whole_vocab(logits, mesh), fold_rows(s.sample_key, s.num_tokens), config.sampling, s.row_ids)
+        token = sample(whole_vocab(logits, mesh), fold_rows(s.sample_key, s.num_tokens), config.sampling, s.row_ids,
+                       rowwise=target.rowwise_sampling)
         column = jnp.where(active, s.num_tokens, width)  # inactive rows: out of range, dropped
         tokens = s.tokens.at[rows, column].set(token, mode="drop")
         num_tokens = s.num_tokens + active.astype(jnp.int32)
@@ -468,14 +484,11 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
     with jax.named_scope("prefill"):
         logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
                                 config.attention_impl, framework.slot_state(eviction), mesh, target)
-        first = first_tokens(logits, sample_key, row_ids, config, mesh)
+        first = first_tokens(logits, sample_key, row_ids, config, mesh, target)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
-    if cache.tiers is not None:  # ticks every B steps with or without eviction
-        start = (cache.seen - phase) % cache.tiers.buffer
-    else:
-        start = framework.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
+    start = phase_wait(cache.seen - phase, jnp.int32(0), eviction, cache.tiers)
     ones = jnp.ones((b,), jnp.int32)
     tokens = constrain(jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first),
                        ("batch", "step"), mesh)

@@ -97,17 +97,29 @@ def fold_rows(key: jax.Array, data: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(key, data)
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array) -> jax.Array:
-    """logits: [batch, vocab] -> tokens [batch] int32, drawn from `filtered_distribution` (argmax if greedy).
-
-    Row r draws one uniform from `fold_in(key, row_ids[r])` (`key`: one key, or one per row [batch]) and inverts
-    the CDF of its filtered distribution, so a row's sample does not depend on the other rows of the batch.
-    """
-    if cfg.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    u = jax.vmap(jax.random.uniform)(fold_rows(key, row_ids))  # [batch]
+def _draw(logits: jax.Array, u: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Tokens [batch] int32 from logits [batch, vocab] and uniforms u [batch] (`sample`)."""
     probs, ids = filtered_distribution(logits, cfg)
     idx = _inverse_cdf(probs, u)  # [batch]
     if ids is not None:
         idx = jnp.take_along_axis(ids, idx[:, None], axis=-1)[:, 0]
     return idx.astype(jnp.int32)
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, row_ids: jax.Array,
+           rowwise: bool = False) -> jax.Array:
+    """logits: [batch, vocab] -> tokens [batch] int32, drawn from `filtered_distribution` (argmax if greedy).
+
+    Row r draws one uniform from `fold_in(key, row_ids[r])` (`key`: one key, or one per row [batch]) and inverts
+    the CDF of its filtered distribution, so a row's sample does not depend on the other rows of the batch.
+    `rowwise`: draw one row at a time (`lax.map`), the same program for every batch size. XLA:CPU sums a
+    [batch, vocab] array's rows in an order that depends on the number of rows (from 4 rows on it reduces
+    several rows at once), so a row's softmax could differ in its last bit, and its token near a CDF boundary,
+    between batches of 2 and 4 rows (`Target.rowwise_sampling`).
+    """
+    if cfg.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    u = jax.vmap(jax.random.uniform)(fold_rows(key, row_ids))  # [batch]
+    if rowwise:
+        return jax.lax.map(lambda row: _draw(row[0][None], row[1][None], cfg)[0], (logits, u))
+    return _draw(logits, u, cfg)

@@ -104,6 +104,11 @@ class Target:
         """Run a batch of one row beside a copy of itself, and give a one-row 16-bit matmul a zero row (CPU)."""
         return self.cpu
 
+    @property
+    def rowwise_sampling(self) -> bool:
+        """Sample one row at a time (`sampling.sample(rowwise=True)`): XLA:CPU's row sums depend on the rows."""
+        return self.cpu
+
     def compiler_options(self, sharded: bool = False) -> dict[str, Any] | None:
         """XLA options of a program that holds a decode loop. A program sharded over a mesh keeps XLA's
         defaults: there the pass also hoists the loop-invariant collectives that the SPMD partitioner inserts (an

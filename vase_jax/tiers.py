@@ -52,7 +52,6 @@ from vase_jax.cache import (
     _padding,
     _ring_times,
     _unpad,
-    _write_slots,
     as_bits,
     decode_slot_weights,
     from_bits,
@@ -145,7 +144,14 @@ def tier_layout(kv_bits: KVBits, protected: int | None, eviction: EvictionConfig
     # Right after a tick the 16-bit tier holds the P and the newest B, after the prefill the P and r >= 0.
     quant = max(virtual - p - buffer, prompt_slots - p, 0)
     return TierLayout(kv_bits=kv_bits, protected=p, buffer=buffer, sink_slots=eviction.sink_slots if p else 0,
-                      force_sinks=force and p > 0, full_slots=_align(p + 2 * buffer), quant_slots=_align(quant))
+                      force_sinks=force and p > 0, full_slots=_align(p + 2 * buffer),
+                      quant_slots=_align(max(quant, 1)))  # at least one block: no zero-size arrays
+
+
+def staged_quant_slots(layout: TierLayout, prompt_slots: int) -> int:
+    """Quantized slots of a cache that only holds prompts of `prompt_slots` (the continuous engine's staged
+    prompts): P_b - P at most."""
+    return _align(max(prompt_slots - layout.protected, 0))
 
 
 # ---- storage -------------------------------------------------------------------------------------------------
@@ -386,7 +392,8 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     new = write_16(cache, layer, k, v, q)
     b, h = k.shape[:2]
     rows, heads = jnp.arange(b)[:, None], jnp.arange(h)[None, :]
-    slot = _write_slots(cache)[:, None]  # [batch, 1]; inactive rows: out of range, dropped
+    virtual = cache.value_range.shape[-1]
+    slot = jnp.where(cache.active, cache.length - 1, virtual)[:, None]  # [batch, 1]; inactive rows: dropped
     rng = value_range(v[:, :, 0].astype(cache.float_dtype))  # [b, h]
     return new.replace(value_range=cache.value_range.at[layer, rows, heads, slot].set(rng, mode="drop"))
 
