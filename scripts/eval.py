@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list: 'full' (no eviction) and policies of vj.eviction.METHODS (snapkv, rkv, "
                    "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, ablations; default: full,vase_attnv)")
     p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
+    p.add_argument("--kv-bits", type=_csv(str), default=("bf16",),
+                   help="comma list of cache settings, each run for every method and budget: bf16 (the 16-bit "
+                   "cache, default) or K<bits>V<bits>[g<group>] (a mixed-precision cache: keys and values in 8 "
+                   "or 4 bits, the slots of largest Range(v) and the recent B in 16 bits), e.g. bf16,K8V8,K4V4")
+    p.add_argument("--kv-protected", type=int,
+                   help="16-bit slots of a mixed-precision cache kept for their Range(v) (default: Nv with "
+                   "vase_attnv and the range_* methods, 0 with the other evicting methods, a quarter of the cache "
+                   "without eviction)")
     p.add_argument("--buffer", type=int, default=64, help="eviction buffer / period B (default 64)")
     p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")
     p.add_argument("--samples", type=int, help="samples R per problem (default: the task's)")
@@ -143,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
-            tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous",
+            tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous", kv_bits=args.kv_bits,
+            kv_protected=args.kv_protected,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():
@@ -155,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--scheduler continuous runs on one device; with --mesh or several processes use "
                                  "--scheduler static (the same tokens)")
             cfg = dataclasses.replace(cfg, scheduler="static")
+            if any(kv != ev.BF16 for kv in cfg.kv_bits):
+                raise ValueError(f"--kv-bits {','.join(cfg.kv_bits)}: a mixed-precision cache runs on one device "
+                                 "(not with --mesh or several processes yet)")
         # only the writer (process 0) reads and writes the records; the others follow its store (runner.run)
         store = ev.RecordStore(out / "records.jsonl" if writer else os.devnull, warn=warn)
     except (ValueError, OSError) as e:

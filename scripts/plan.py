@@ -25,6 +25,7 @@ small) or a local checkpoint folder (its config.json). Nothing is downloaded or 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -51,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=4096, help="KV budget N (default 4096)")
     p.add_argument("--buffer", type=int, default=64, help="eviction buffer B (default 64)")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--kv-bits", default="bf16",
+                   help="cache setting: bf16 (default) or K<bits>V<bits>[g<group>], a mixed-precision cache "
+                   "(one device), e.g. K8V4")
+    p.add_argument("--kv-protected", type=int, help="16-bit slots of a mixed-precision cache kept for their Range "
+                   "(default: Nv with vase_attnv, 0 with other evicting methods, a quarter without eviction)")
     p.add_argument("--max-new-tokens", type=int, default=32768, help="output tokens per row (default 32768)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--target", default="h200", choices=("h200", "v5p", "cpu"),
@@ -147,11 +153,11 @@ def main(argv=None) -> int:
                     EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
         plan = plan_memory(cfg, mesh, args.batch, eviction, prompt_len=args.prompt,
                            max_new_tokens=args.max_new_tokens, dtype=getattr(jnp, args.dtype),
-                           compile_program=not args.no_compile)
+                           compile_program=not args.no_compile, config=kv_config(args))
     except ValueError as e:
         fail(str(e))
     out = {"model": args.model, "target": args.target, "mesh": sizes, "batch": args.batch, "method": args.method,
-           "budget": args.budget,
+           "budget": args.budget, "kv_bits": kv_config(args).kv_bits.name,
            "capacity": plan.capacity, "per_device_bytes": {
                "weights": plan.weights, "cache": plan.cache, "temporaries": plan.temporaries,
                "arguments": plan.arguments, "outputs": plan.outputs,
@@ -170,19 +176,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def kv_config(args):
+    """The `GenerateConfig` of --kv-bits / --kv-protected (ValueError naming the flag)."""
+    from vase_jax.generate import GenerateConfig
+    from vase_jax.kvquant import KVBits
+
+    try:
+        kv = KVBits.parse(args.kv_bits).validate()
+    except ValueError as e:
+        raise ValueError(f"--kv-bits: {e}") from None
+    if not kv.quantizes:
+        return GenerateConfig()
+    return GenerateConfig(key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
+                          kv_protected=args.kv_protected, kv_refine=kv.refine)
+
+
 def engine_main(args, cfg, compiler: str) -> int:
     """--engine / --batch auto: the continuous engine on one device of the target (jax is configured by main)."""
     import jax.numpy as jnp
 
     from vase_jax.eviction.config import EvictionConfig
-    from vase_jax.generate import GenerateConfig
     from vase_jax.planner import largest_batch, plan_engine, size
 
-    config = GenerateConfig(max_new_tokens=args.max_new_tokens)
     dtype = getattr(jnp, args.dtype)
     try:
         eviction = (EvictionConfig("full") if args.method == "full" else
                     EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
+        config = dataclasses.replace(kv_config(args), max_new_tokens=args.max_new_tokens)
         target = "cpu" if args.no_compile else args.target  # no compile: the buffers' bytes need no compiler
         common = dict(target=target, config=config, prompt_len=args.prompt, dtype=dtype, queue=args.queue)
         if args.batch == "auto":
@@ -195,6 +215,7 @@ def engine_main(args, cfg, compiler: str) -> int:
     except ValueError as e:
         fail(str(e))
     out = {"model": args.model, "target": args.target, "program": "engine", "method": args.method,
+           "kv_bits": config.kv_bits.name,
            "budget": None if args.method == "full" else args.budget,
            "batch": plan.rows if found is None else found.rows,
            "plan": plan.as_dict() if plan is not None else None}

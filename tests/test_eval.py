@@ -207,6 +207,28 @@ def test_same_records_under_both_schedulers_and_any_batch_size(work, full_run, s
 
 
 @pytest.mark.slow
+def test_mixed_precision_cache_variants(work, full_run):
+    """--kv-bits bf16,K8V4: every (method, budget) runs with each cache setting; the bf16 records are the 16-bit
+    run's (the same program), the K8V4 ones carry their setting, and the summary keeps them apart."""
+    out = work["root"] / "run_kv"
+    args = _args(work, out)
+    args[args.index("--methods") + 1] = "vase_attnv"
+    res = _run(work, [*args, "--kv-bits", "bf16,K8V4"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = _records(out)
+    ref = _by_key(_records(full_run[0]))
+    bf16 = [r for r in records if r["kv_bits"] == "K16V16"]
+    quantized = [r for r in records if r["kv_bits"] == "K8V4"]
+    assert len(bf16) == len(quantized) == len(PROBLEMS) * SAMPLES
+    for r in bf16:
+        assert r["text"] == ref[(r["problem_id"], r["sample"], r["method"], r["budget"])]["text"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["method"], r["budget"], r["kv_bits"], r["samples"]) for r in summary["results"]] == [
+        ("vase_attnv", 32, "K16V16", 6), ("vase_attnv", 32, "K8V4", 6)]
+    assert "| vase_attnv K8V4 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
 def test_random_model_smoke_run(work, full_run):
     """The README's offline smoke run (--random-model tiny: a random model built in memory) works. Same shapes
     and caps as the runs above (so no new compile), packaged data replaced by the 3 short problems."""
@@ -253,6 +275,10 @@ BAD_CASES = {
     "batch size word": (BASE + ["--batch-size", "lots"], "'lots' is neither an integer nor 'auto'"),
     "auto static": (BASE + ["--batch-size", "auto", "--scheduler", "static"],
                     "--batch-size auto sizes the continuous engine's batch"),
+    "kv bits": (BASE + ["--kv-bits", "bf16,K3V3"], "--kv-bits: key_bits=3"),
+    "kv bits keys below values": (BASE + ["--kv-bits", "K4V8"], "key_bits=4 < value_bits=8"),
+    "kv protected with snapkv": (BASE + ["--methods", "snapkv", "--kv-bits", "K8V8", "--kv-protected", "4"],
+                                 "--kv-protected=4 with method 'snapkv'"),
 }
 
 
@@ -314,14 +340,14 @@ def test_record_store_repairs_a_cut_last_line(tmp_path):
 
     path.write_text(lines[0] + lines[1] + lines[2][:20])  # killed mid-write
     store = RecordStore(path, warn=warnings.append)
-    assert set(store.records) == {("0", 0, "full", None), ("0", 1, "full", None)}
+    assert set(store.records) == {("0", 0, "full", None, "K16V16"), ("0", 1, "full", None, "K16V16")}
     assert path.read_text() == lines[0] + lines[1]  # the cut line is gone from disk too
     assert len(warnings) == 1 and "incomplete last line" in warnings[0]
     store.append(recs[2:])
     assert RecordStore(path).records == store.records and len(store) == 3
 
     path.write_text(lines[0] + "{garbled}\n")  # an unparsable complete last line: redone as well
-    assert set(RecordStore(path, warn=warnings.append).records) == {("0", 0, "full", None)}
+    assert set(RecordStore(path, warn=warnings.append).records) == {("0", 0, "full", None, "K16V16")}
     assert path.read_text() == lines[0]
 
     path.write_text(lines[0] + "{garbled}\n" + lines[1])  # corruption elsewhere is never skipped
@@ -330,7 +356,7 @@ def test_record_store_repairs_a_cut_last_line(tmp_path):
 
     path.write_text(lines[0] + lines[0].replace("true", "false"))  # a duplicate: the first one counts
     store = RecordStore(path, warn=warnings.append)
-    assert len(store) == 1 and store.records[("0", 0, "full", None)]["correct"] is True
+    assert len(store) == 1 and store.records[("0", 0, "full", None, "K16V16")]["correct"] is True
 
 
 def test_summary_matches_numpy(tmp_path):
@@ -344,13 +370,13 @@ def test_summary_matches_numpy(tmp_path):
     store.append([{"problem_id": p, "sample": s, "method": m, "budget": b,
                    "correct": bool(rng.random() < 0.4), "tokens": int(rng.integers(1, 100)),
                    "truncated": bool(rng.random() < 0.3),
-                   "seconds": float(rng.random())} for (p, s, m, b) in wanted[:-1]])  # one sample missing
+                   "seconds": float(rng.random())} for (p, s, m, b, _) in wanted[:-1]])  # one sample missing
     summary = ev.summarize(cfg, store, wanted)
     assert not summary["complete"] and summary["missing_samples"] == 1
     variants = [(r["method"], r["budget"]) for r in summary["results"]]
     assert variants == [("full", None), ("rkv", 256), ("rkv", 512)]
     for row in summary["results"]:
-        recs = [store.records[k] for k in wanted if k[2:] == (row["method"], row["budget"]) and k in store]
+        recs = [store.records[k] for k in wanted if k[2:4] == (row["method"], row["budget"]) and k in store]
         per_problem = {}
         for r in recs:
             per_problem.setdefault(r["problem_id"], []).append(r["correct"])
@@ -371,7 +397,7 @@ def test_plan_covers_every_sample_once_with_fixed_batch_shape():
     cfg, problems = ev.resolve(model="random:tiny", task="aime25", limit=2, samples=5, batch_size=2,
                                methods=("full", "vase_dkv"), budgets=(512, 1024))
     chunks = ev.plan(cfg, problems)
-    seen = [(c.problem.id, s, c.method, c.budget) for c in chunks for s in c.samples]
+    seen = [(c.problem.id, s, c.method, c.budget, c.kv_bits) for c in chunks for s in c.samples]
     assert sorted(seen, key=str) == sorted(ev.wanted_keys(cfg, problems), key=str)
     assert len(seen) == len(set(seen)) == 2 * 5 * 3  # full once, vase_dkv per budget
     assert [len(c.samples) for c in chunks[:3]] == [2, 2, 1] and cfg.rows == 2  # last chunk padded to 2 rows

@@ -237,3 +237,20 @@ def test_a_rows_token_does_not_depend_on_the_batch_size():
         key = jax.random.key(seed)
         tokens = [np.asarray(draw(logits[:n], key, jnp.arange(n)))[0] for n in (1, 2, 4, 8)]
         assert len(set(tokens)) == 1, tokens
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_read_both_tiers_as_the_xla_path(tiny, impl):
+    """Decode attention over a traced mixed-precision cache (both tiers in use): the Pallas kernels (interpret
+    mode: the codes unpacked in the kernel, tiers merged by log-sum-exp) against the XLA path."""
+    from vase_jax.tiers import decode_attention
+
+    layout, snaps = _trace(tiny, EvictionConfig("full", buffer=B), KVBits(8, 4, 32, 32), 24, B)
+    cache = jax.tree.map(jnp.asarray, snaps[-1]).replace(active=jnp.ones((2,), bool))
+    assert int(cache.qlength.min()) > 0
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, TINY.num_kv_heads, TINY.group, TINY.head_dim)),
+                    jnp.float32)
+    for layer in range(TINY.num_layers):
+        want = decode_attention(q, cache, layer, "xla")
+        got = decode_attention(q, cache, layer, impl)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -45,7 +45,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE, decode_attention_partials_reference
+from pallas_kernels import get_decode_partials, get_quant_decode_partials
+from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     KVCache,
     _apply_state,
@@ -67,7 +68,7 @@ from vase_jax.eviction import framework, scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, split_kept
-from vase_jax.quant_attention import merge, quantized_partials
+from vase_jax.quant_attention import merge
 from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
 
@@ -398,15 +399,33 @@ def write_token(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array)
     return new.replace(value_range=cache.value_range.at[layer, rows, heads, slot].set(rng, mode="drop"))
 
 
+def _kernels_take(kv_bits: KVBits) -> bool:
+    """Whether the quantized tier's kernels read this setting: 8 or 4 bits on both sides, a power of two of at
+    least 16 channels per group (8 bits) or per nibble half (4 bits: the Triton dot's smallest width)."""
+    for which in ("key", "value"):
+        bits, group = kv_bits.bits(which), kv_bits.group(which)
+        width = group if bits == 8 else (group or 0) // 2
+        if bits == 16 or width < 16 or width & (width - 1):
+            return False
+    return True
+
+
 def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -> jax.Array:
     """Decode attention of q [batch, kv_heads, group, head_dim] over both tiers of layer `layer`, merged by
-    log-sum-exp: [batch, kv_heads, group, head_dim] in q's dtype."""
-    del attention_impl  # TODO(issue 27): the Pallas kernels' partials
+    log-sum-exp: [batch, kv_heads, group, head_dim] in q's dtype. `attention_impl` picks the kernels of both tiers
+    (`pallas_kernels.get_decode_partials`, `get_quant_decode_partials`: the codes are unpacked in the kernel); a
+    setting the kernels do not take (`_kernels_take`: a 16-bit side, groups under 16 channels) is read by the
+    XLA path."""
+    t = cache.tiers
     lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
-    parts = [decode_attention_partials_reference(q, cache.k, cache.v, cache.pos, lengths, layer=layer)]
-    if cache.tiers.quant_slots:
+    parts = [get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer)]
+    if t.quant_slots:
         qlengths = jnp.where(cache.active, cache.qlength, 0)
-        parts.append(quantized_partials(q, cache.kq, cache.vq, cache.qpos, qlengths, layer=layer))
+        bits = dict(key_bits=cache.kq.bits, value_bits=cache.vq.bits)
+        impl = attention_impl if _kernels_take(t.kv_bits) else "xla"
+        kq, vq = cache.kq, cache.vq
+        parts.append(get_quant_decode_partials(impl, **bits)(q, kq.codes, kq.scale, kq.low, vq.codes, vq.scale,
+                                                              vq.low, cache.qpos, qlengths, layer))
     return merge(parts, q.dtype)
 
 

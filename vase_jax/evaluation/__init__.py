@@ -4,7 +4,7 @@
 graded samples (resumable), `report` writes summary.json, summary.md and the plots.
 """
 
-from vase_jax.evaluation.config import RESULT_FIELDS, EvalConfig, check_resume, resolve, write_config
+from vase_jax.evaluation.config import BF16, RESULT_FIELDS, EvalConfig, check_resume, resolve, write_config
 from vase_jax.evaluation.records import RecordStore, make_record, problem_key, record_key, stable_id
 from vase_jax.evaluation.report import markdown, summarize, write_summary
 from vase_jax.evaluation.runner import (
@@ -16,6 +16,7 @@ from vase_jax.evaluation.runner import (
 )
 
 __all__ = [
+    "BF16",
     "RESULT_FIELDS",
     "EvalConfig",
     "RecordStore",

@@ -18,9 +18,11 @@ from pathlib import Path
 from vase_jax.eviction import METHODS
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig
+from vase_jax.kvquant import KVBits
 from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
 from vase_jax.tasks.livecodebench import packaged_prompts
+from vase_jax.tiers import tier_layout
 from vase_jax.weights import ORBAX_MARKER
 
 RANDOM_PREFIX = "random:"
@@ -28,7 +30,8 @@ DTYPES = ("bfloat16", "float32")
 SCHEDULERS = ("continuous", "static")
 AUTO = "auto"  # --batch-size: the most rows the device fits, per (method, budget) (`vase_jax.planner`)
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
-                 "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype")
+                 "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype", "kv_protected")
+BF16 = "K16V16"  # the `kv_bits` of the 16-bit cache (`KVBits().name`)
 FORMAT = 1  # bump when the records' meaning changes
 
 
@@ -58,14 +61,19 @@ class EvalConfig:
     dtype: str
     save_text: bool = False
     scheduler: str = "continuous"  # "continuous" or "static"; the tokens are the same under both
+    # Cache settings (`kvquant.KVBits` names: "K16V16" is the 16-bit cache, "K8V4" a mixed-precision one), each
+    # a variant of every (method, budget); and the 16-bit slots of a mixed-precision cache (None: the default).
+    kv_bits: tuple[str, ...] = (BF16,)
+    kv_protected: int | None = None
     format: int = FORMAT
 
     @property
-    def variants(self) -> tuple[tuple[str, int | None], ...]:
-        """(method, budget) pairs in run order; `full` once with budget None."""
-        out: list[tuple[str, int | None]] = []
-        for m in self.methods:
-            out.extend([(m, None)] if m == "full" else [(m, b) for b in self.budgets])
+    def variants(self) -> tuple[tuple[str, int | None, str], ...]:
+        """(method, budget, kv_bits) in run order; `full` once per cache setting with budget None."""
+        out: list[tuple[str, int | None, str]] = []
+        for kv in self.kv_bits:
+            for m in self.methods:
+                out.extend([(m, None, kv)] if m == "full" else [(m, b, kv) for b in self.budgets])
         return tuple(out)
 
     @property
@@ -78,9 +86,12 @@ class EvalConfig:
             return EvictionConfig("full")
         return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots)
 
-    def generate_config(self, max_new_tokens: int) -> GenerateConfig:
+    def generate_config(self, max_new_tokens: int, kv_bits: str = BF16) -> GenerateConfig:
+        kv = KVBits.parse(kv_bits)
+        quantized = dict(key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
+                         kv_protected=self.kv_protected, kv_refine=kv.refine) if kv.quantizes else {}
         return GenerateConfig(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k)
+                              top_k=self.top_k, **quantized)
 
     def token_limits(self, prompt_len: int) -> tuple[int, int]:
         """(max_new_tokens passed to `generate`, exact output cap recorded) for a `prompt_len`-token prompt.
@@ -105,6 +116,14 @@ class EvalConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _kv_name(text: str) -> str:
+    """The canonical name of a --kv-bits entry ("bf16" -> "K16V16"); ValueError naming the flag."""
+    try:
+        return KVBits.parse(str(text)).validate().name
+    except ValueError as e:
+        raise ValueError(f"--kv-bits: {e}") from None
 
 
 def _positive(name: str, value, allow_none: bool = False, minimum: int = 1):
@@ -161,7 +180,8 @@ def resolve(
     temperature: float | None = None,
     top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
-    tests_dir: str | None = None, scheduler: str = "continuous",
+    tests_dir: str | None = None, scheduler: str = "continuous", kv_bits: tuple[str, ...] = (BF16,),
+    kv_protected: int | None = None,
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -193,6 +213,8 @@ def resolve(
     else:
         _positive("batch-size", batch_size, allow_none=True)
     _positive("limit", limit, allow_none=True, minimum=0)
+    _positive("kv-protected", kv_protected, allow_none=True, minimum=0)
+    kv_bits = tuple(dict.fromkeys(_kv_name(k) for k in (kv_bits or (BF16,))))
     _positive("seed", seed, allow_none=True, minimum=0)
     samples = samples or t.samples
     if data is not None and not os.path.isfile(data):
@@ -217,16 +239,20 @@ def resolve(
         top_p=t.top_p if top_p is None else float(top_p), top_k=t.top_k if top_k is None else top_k,
         batch_size=batch_size or samples, limit=t.num_problems if limit is None else limit,
         seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text, scheduler=scheduler,
+        kv_bits=kv_bits, kv_protected=kv_protected,
     )
     try:
         cfg.generate_config(cfg.max_new_tokens or 1).validate()
     except ValueError as e:
         raise ValueError(f"sampling flags: {e}") from None
-    for method, budget in cfg.variants:
+    for method, budget, kv in cfg.variants:
         try:
-            cfg.eviction(method, budget).validate()
+            eviction = cfg.eviction(method, budget).validate()
+            if KVBits.parse(kv).quantizes:  # the tiers' own checks (the head's size is checked at generate)
+                tier_layout(KVBits.parse(kv), kv_protected, eviction, 64, cfg.max_new_tokens or 64)
         except ValueError as e:
-            raise ValueError(f"--methods {method} --budgets {budget}: {e}") from None
+            where = f"--methods {method} --budgets {budget}" + (f" --kv-bits {kv}" if kv != BF16 else "")
+            raise ValueError(f"{where}: {e}".replace("GenerateConfig.kv_protected", "--kv-protected")) from None
     try:
         problems = load_problems(t, data, cfg.limit, tests_dir=tests_dir)
     except ValueError as e:

@@ -33,12 +33,13 @@ def run_continuous(model, tokenizer, cfg: EvalConfig, problems: list[Problem], s
     task = get_task(cfg.task)
     by_id = {p.id: p for p in problems}
     prompts: dict[str, tuple[int, ...]] = {}
-    missing = {(p.id, s, m, b) for p in problems for m, b in cfg.variants for s in range(cfg.samples)
-               if (p.id, s, m, b) not in store}
+    missing = {(p.id, s, m, b, kv) for p in problems for m, b, kv in cfg.variants for s in range(cfg.samples)
+               if (p.id, s, m, b, kv) not in store}
     left = {p.id: sum(k[0] == p.id for k in missing) for p in problems}  # samples still to run, per problem
     generated = 0
-    for method, budget in cfg.variants:
-        todo = [(p.id, s) for p in problems for s in range(cfg.samples) if (p.id, s, method, budget) in missing]
+    for method, budget, kv in cfg.variants:
+        todo = [(p.id, s) for p in problems for s in range(cfg.samples)
+                if (p.id, s, method, budget, kv) in missing]
         if not todo:
             continue
         for pid, _ in todo:
@@ -46,18 +47,18 @@ def run_continuous(model, tokenizer, cfg: EvalConfig, problems: list[Problem], s
                 enc = vj.encode_prompts(tokenizer, [task.build_prompt(by_id[pid].question)])
                 prompts[pid] = tuple(int(x) for x in enc.input_ids[0, enc.input_ids.shape[1] - int(enc.lengths[0]):])
         caps = {pid: cfg.token_limits(len(prompts[pid]))[1] for pid, _ in todo}
-        config = cfg.generate_config(max(caps.values()))
+        config = cfg.generate_config(max(caps.values()), kv)
         requests = [batching.Request(prompts[pid], problem_key(cfg.seed, cfg.task, pid), s, caps[pid], tag=(pid, s))
                     for pid, s in todo]
 
         rows = batch_rows(model, cfg, cfg.eviction(method, budget), config, max(len(p) for p in prompts.values()),
                           len(requests))
 
-        def write(result: batching.Result, method=method, budget=budget, rows=rows) -> None:
+        def write(result: batching.Result, method=method, budget=budget, kv=kv, rows=rows) -> None:
             nonlocal generated
             pid, sample = result.tag
             rec = make_record(tokenizer, cfg, by_id[pid], sample, method, budget, len(prompts[pid]), result.tokens,
-                              result.finished, result.evictions, result.seconds / rows)
+                              result.finished, result.evictions, result.seconds / rows, kv)
             store.append([rec])
             generated += 1
             left[pid] -= 1

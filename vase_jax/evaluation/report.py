@@ -22,24 +22,30 @@ from vase_jax.evaluation.records import Key, RecordStore
 from vase_jax.tasks import pass_at_1
 
 
-def variant_name(method: str, budget: int | None) -> str:
-    return method if budget is None else f"{method}@{budget}"
+def variant_name(method: str, budget: int | None, kv_bits: str = "K16V16") -> str:
+    name = method if budget is None else f"{method}@{budget}"
+    return name if kv_bits == "K16V16" else f"{name} {kv_bits}"
+
+
+def method_label(method: str, kv_bits: str) -> str:
+    """A summary row's method column: the method, with its cache setting when it is not the 16-bit cache."""
+    return method if kv_bits == "K16V16" else f"{method} {kv_bits}"
 
 
 def summarize(cfg: EvalConfig, store: RecordStore, wanted: list[Key]) -> dict:
     """The summary dict of the records in `wanted` (keys missing from `store` are counted, not invented)."""
-    groups: dict[tuple[str, int | None], list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, int | None, str], list[dict]] = defaultdict(list)
     missing = 0
     for key in wanted:
         rec = store.records.get(key)
         if rec is None:
             missing += 1
         else:
-            groups[(key[2], key[3])].append(rec)
+            groups[key[2:]].append(rec)
     rows = []
-    for method, budget in cfg.variants:
-        recs = groups.get((method, budget), [])
-        row = {"method": method, "budget": budget, "samples": len(recs)}
+    for method, budget, kv in cfg.variants:
+        recs = groups.get((method, budget, kv), [])
+        row = {"method": method, "budget": budget, "kv_bits": kv, "samples": len(recs)}
         if recs:
             by_problem: dict[str, list[bool]] = defaultdict(list)
             for r in recs:
@@ -56,6 +62,10 @@ def summarize(cfg: EvalConfig, store: RecordStore, wanted: list[Key]) -> dict:
         rows.append(row)
     return {"task": cfg.task, "model": cfg.model, "complete": missing == 0, "missing_samples": missing,
             "results": rows, "config": cfg.to_json()}
+
+
+def _label(row: dict) -> str:
+    return method_label(row["method"], row.get("kv_bits", "K16V16"))
 
 
 def _pct(x: float | None) -> str:
@@ -78,8 +88,8 @@ def markdown(summary: dict) -> str:
     ]
     rows = summary["results"]
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], r["budget"]): r for r in rows}
+    methods = list(dict.fromkeys(_label(r) for r in rows))
+    by = {(_label(r), r["budget"]): r for r in rows}
 
     def cell(r: dict | None) -> str:
         if r is None or "pass_at_1" not in r:
@@ -87,21 +97,23 @@ def markdown(summary: dict) -> str:
         se = "" if r["se"] is None else f" ± {_pct(r['se'])}"
         return f"{_pct(r['pass_at_1'])}{se}"
 
-    lines += ["pass@1 (%) ± SE by KV budget N (`full`: no eviction):", ""]
-    lines += ["| method | " + " | ".join(["full"] * ("full" in methods) + [f"N={b}" for b in budgets]) + " |"]
-    lines += ["|---" * (1 + ("full" in methods) + len(budgets)) + "|"]
+    unevicted = any(r["budget"] is None for r in rows)
+    lines += ["pass@1 (%) ± SE by KV budget N (`full`: no eviction; K<bits>V<bits>: a mixed-precision cache, "
+              f"{'the default' if cfg.get('kv_protected') is None else cfg['kv_protected']} 16-bit slots):", ""]
+    lines += ["| method | " + " | ".join(["full"] * unevicted + [f"N={b}" for b in budgets]) + " |"]
+    lines += ["|---" * (1 + unevicted + len(budgets)) + "|"]
     for m in methods:
-        cells = [cell(by.get((m, None)))] if "full" in methods else []
+        cells = [cell(by.get((m, None)))] if unevicted else []
         cells += [cell(by.get((m, b))) for b in budgets]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "| method | budget | pass@1 (%) | SE | problems | samples | mean output tokens "
               "| truncated (%) | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "pass_at_1" not in r:
-            lines.append(f"| {r['method']} | {r['budget'] or '-'} | - | - | 0 | 0 | - | - | - |")
+            lines.append(f"| {_label(r)} | {r['budget'] or '-'} | - | - | 0 | 0 | - | - | - |")
             continue
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
-        lines.append(f"| {r['method']} | {r['budget'] or '-'} | {_pct(r['pass_at_1'])} | {_pct(r['se'])} | "
+        lines.append(f"| {_label(r)} | {r['budget'] or '-'} | {_pct(r['pass_at_1'])} | {_pct(r['se'])} | "
                      f"{r['problems']} | {r['samples']} | {r['mean_tokens']:.1f} | "
                      f"{_pct(r['truncation_rate'])} | {tps} |")
     lines += ["", "tokens/s includes compile time; output tokens are cut at the cap and include the end "
@@ -120,10 +132,10 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         if r["budget"] is None:
-            ax.axhline(100 * r["pass_at_1"], color="black", ls="--", label=r["method"])
-    for m in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
+            ax.axhline(100 * r["pass_at_1"], color="black", ls="--", label=_label(r))
+    for m in dict.fromkeys(_label(r) for r in rows if r["budget"] is not None):
         pts = sorted((r["budget"], 100 * r["pass_at_1"], 100 * (r["se"] or 0.0)) for r in rows
-                     if r["method"] == m and r["budget"] is not None)
+                     if _label(r) == m and r["budget"] is not None)
         xs, ys, es = zip(*pts, strict=True)
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=m)
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
@@ -145,7 +157,7 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
     for key in wanted:
         rec = store.records.get(key)
         if rec is not None:
-            lengths[key[2]][key[3]].append(rec["tokens"])
+            lengths[method_label(key[2], key[4])][key[3]].append(rec["tokens"])
     methods = list(lengths)
     fig, axes = plt.subplots(1, max(1, len(methods)), figsize=(4 * max(1, len(methods)), 3.2), squeeze=False)
     for ax, m in zip(axes[0], methods, strict=False):

@@ -30,7 +30,7 @@ import vase_jax as vj
 from vase_jax import distributed
 from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
 from vase_jax.evaluation.continuous import run_continuous
-from vase_jax.evaluation.records import Key, RecordStore, make_record, problem_key
+from vase_jax.evaluation.records import Key, RecordStore, make_record, problem_key, record_key
 from vase_jax.random_model import HEAD_SCALE, random_model
 from vase_jax.sharding import shard_model
 from vase_jax.tasks import Problem, get_task
@@ -56,22 +56,23 @@ class Chunk:
     method: str
     budget: int | None
     samples: tuple[int, ...]  # sample indices of this call's rows (without padding)
+    kv_bits: str = "K16V16"  # the cache setting (`EvalConfig.kv_bits`)
 
 
 def plan(cfg: EvalConfig, problems: list[Problem]) -> list[Chunk]:
     """Every generate call of the run, in order: problems, then (method, budget), then chunks of samples."""
     rows = cfg.rows
     return [
-        Chunk(p, method, budget, tuple(range(start, min(start + rows, cfg.samples))))
+        Chunk(p, method, budget, tuple(range(start, min(start + rows, cfg.samples))), kv)
         for p in problems
-        for method, budget in cfg.variants
+        for method, budget, kv in cfg.variants
         for start in range(0, cfg.samples, rows)
     ]
 
 
 def wanted_keys(cfg: EvalConfig, problems: list[Problem]) -> list[Key]:
     """The record keys this run asks for."""
-    return [(p.id, s, m, b) for p in problems for m, b in cfg.variants for s in range(cfg.samples)]
+    return [(p.id, s, m, b, kv) for p in problems for m, b, kv in cfg.variants for s in range(cfg.samples)]
 
 
 def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[dict]:
@@ -83,7 +84,7 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
     mask = np.repeat(prompt.attention_mask, cfg.rows, axis=0)  # [rows, prompt]
     key = problem_key(cfg.seed, cfg.task, chunk.problem.id)
     t0 = time.perf_counter()
-    out = vj.generate(model, ids, mask, key=key, config=cfg.generate_config(gen_tokens),
+    out = vj.generate(model, ids, mask, key=key, config=cfg.generate_config(gen_tokens, chunk.kv_bits),
                       eviction=cfg.eviction(chunk.method, chunk.budget), row_ids=jnp.asarray(row_ids),
                       max_new_tokens=np.full((cfg.rows,), cap, np.int32))  # rows stop at the exact cap
     tokens, num, finished, evictions = distributed.fetch(
@@ -93,7 +94,7 @@ def run_chunk(model, tokenizer, cfg: EvalConfig, chunk: Chunk, prompt) -> list[d
     for r, sample in enumerate(chunk.samples):
         records.append(make_record(tokenizer, cfg, chunk.problem, sample, chunk.method, chunk.budget, prompt_len,
                                    tokens[r, : int(num[r])], bool(finished[r]), int(evictions[r]),
-                                   seconds / len(chunk.samples)))
+                                   seconds / len(chunk.samples), chunk.kv_bits))
     return records
 
 
@@ -119,7 +120,8 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
     keys = wanted_keys(cfg, problems)
     done = {k for k, d in zip(keys, distributed.agree([k in store for k in keys]), strict=True) if d}
     for i, chunk in enumerate(chunks):
-        missing = [s for s in chunk.samples if (chunk.problem.id, s, chunk.method, chunk.budget) not in done]
+        missing = [s for s in chunk.samples
+                   if (chunk.problem.id, s, chunk.method, chunk.budget, chunk.kv_bits) not in done]
         last_of_problem = i + 1 == len(chunks) or chunks[i + 1].problem.id != chunk.problem.id
         new: list[dict] = []
         if missing:
@@ -130,7 +132,7 @@ def run(model, tokenizer, cfg: EvalConfig, problems: list[Problem], store: Recor
                    if r["sample"] in missing]
             if distributed.is_writer():
                 store.append(new)
-            done.update((r["problem_id"], r["sample"], r["method"], r["budget"]) for r in new)
+            done.update(record_key(r) for r in new)
             generated += len(new)
         if progress is not None:
             progress(new, chunk.problem.id if last_of_problem else None)
