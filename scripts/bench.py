@@ -49,7 +49,7 @@ from flax import nnx
 
 import vase_jax as vj
 from vase_jax import bench as vb
-from vase_jax.cache import cache_bytes
+from vase_jax.cache import cache_bytes, init_cache
 from vase_jax.eviction import METHODS, EvictionConfig, framework
 from vase_jax.generate import LAYER_LOOPS, generate_target, lower_generate, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
@@ -168,6 +168,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--headroom", type=float, default=0.05, help="--workload aime25: share of the memory left free (default 0.05)")
     a("--queue", type=int, default=None, help="--workload aime25: samples prefilled per round (default: the rows, "
       "at most 64, as batching.run); fewer hold less memory (the staged prompts and the prefill's temporaries)")
+    a("--kv-bits", default=None,
+      help="instead of the runs above, the mixed-precision cache: a comma list of settings (bf16, K8V8, K8V4, "
+           "K4V4, K<bits>V<bits>g<group>), each per method and budget at the first --output-lens, with the "
+           "default Range protection and, where that protects slots, without (P = 0): bytes per token, cache "
+           "bytes, the program's peak, decode tokens/s and the tokens that agree with bf16")
     a("--seed", type=int, default=0)
     a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
     a("--no-plots", action="store_true")
@@ -855,6 +860,155 @@ def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], l
     return 0
 
 
+def kv_settings(text: str) -> list[str]:
+    """--kv-bits as canonical `KVBits` names, bf16 first (ValueError naming the flag)."""
+    from vase_jax.kvquant import KVBits
+
+    names = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            names.append(KVBits.parse(item).validate().name)
+        except ValueError as e:
+            raise ValueError(f"--kv-bits: {e}") from None
+    names = list(dict.fromkeys(["K16V16", *names]))
+    return names
+
+
+def kv_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """--kv-bits: per method, budget and cache setting (with the default protection and with P = 0), the
+    bytes of a cached token, the cache, the program's peak, and generate's decode tokens/s (total minus the
+    prefill's share, as `decode_tok_s`), each setting's runs interleaved with the others' (`--repeats` rounds)."""
+    from vase_jax.generate import GenerateConfig, generate_tiers, prefill
+    from vase_jax.kvquant import KVBits, token_bytes
+    from vase_jax.tiers import init_tiered_cache
+
+    n = args.output_lens[0]
+    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
+    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
+    t = ids.shape[1]
+    raw_ids, raw_mask = ids[:, t - args.prompt_len:], mask[:, t - args.prompt_len:]
+    graphdef, state = nnx.split(model)
+    target = generate_target(model, gen0)
+    cfg = model.cfg
+    def measure(ev: EvictionConfig) -> list[dict]:
+        rows = []
+        variants = []
+        for name in kv_settings(args.kv_bits):
+            kv = KVBits.parse(name)
+            base = GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
+                                  layer_loop=args.layer_loop, attention_impl=args.attention_impl)
+            if not kv.quantizes:
+                variants.append((name, None, base))
+                continue
+            config = dataclasses.replace(base, key_bits=kv.key_bits, value_bits=kv.value_bits,
+                                         kv_group=kv.key_group, kv_refine=kv.refine)
+            layout = generate_tiers(cfg, config, ev, t)
+            variants.append((name, layout.protected, config))
+            if layout.protected:
+                variants.append((name, 0, dataclasses.replace(config, kv_protected=0)))
+        entries = []
+        for name, protected, config in variants:
+            def run(state, ids, mask, key, config=config):
+                return vj.generate(nnx.merge(graphdef, state), ids, mask, key=key, config=config, eviction=ev)
+
+            start = time.perf_counter()
+            compiled = jax.jit(run, compiler_options=target.compiler_options()).lower(
+                state, raw_ids, raw_mask, jax.random.key(args.seed)).compile()
+            compile_s = time.perf_counter() - start
+            mem = compiled.memory_analysis()
+            kv = KVBits.parse(name)
+            if kv.quantizes:
+                layout = generate_tiers(cfg, config, ev, t)
+                capacity, slots = layout, layout.virtual_slots
+                cache = jax.eval_shape(lambda layout=layout: init_tiered_cache(
+                    cfg, args.batch, layout, query_window(ev), model.dtype, framework.slot_state(ev), target))
+            else:
+                capacity = slots = framework.capacity_for(ev, t, n)
+                cache = jax.eval_shape(lambda capacity=capacity: init_cache(
+                    cfg, args.batch, capacity, query_window(ev), model.dtype, framework.slot_state(ev), target))
+            pre = jax.jit(lambda st, i, m, capacity=capacity: prefill(
+                nnx.merge(graphdef, st), i, m, capacity, query_window(ev), args.attention_impl,
+                framework.slot_state(ev), None, target))
+            entries.append(dict(name=name, protected=protected, compiled=compiled, prefill=pre, totals=[],
+                                prefills=[], row={
+                "method": ev.method, "budget": ev.budget if ev.evicts else None, "kv_bits": name,
+                "protected": protected, "output_len": n, "slots": slots, "compile_s": compile_s,
+                "token_bytes": token_bytes(cfg.head_dim, kv, jnp.dtype(model.dtype).itemsize),
+                "cache_bytes": cache_bytes(cache),
+                "program_bytes": None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)}))
+        for e in entries:  # warm-up
+            jax.block_until_ready(e["compiled"](state, raw_ids, raw_mask, jax.random.key(args.seed)))
+            jax.block_until_ready(e["prefill"](state, ids, mask))
+        for _ in range(args.repeats):  # interleaved: drift hits every setting alike
+            for e in entries:
+                e["totals"].append(vb.time_runs(lambda e=e: e["compiled"](
+                    state, raw_ids, raw_mask, jax.random.key(args.seed)), 1).median)
+                e["prefills"].append(vb.time_runs(lambda e=e: e["prefill"](state, ids, mask), 1).median)
+        ref_tokens = None
+        for e in entries:
+            out = e["compiled"](state, raw_ids, raw_mask, jax.random.key(args.seed))
+            tokens = np.asarray(out.tokens)
+            if ref_tokens is None:
+                ref_tokens = tokens
+            total, pre = float(np.median(e["totals"])), float(np.median(e["prefills"]))
+            decode = total - pre
+            r = e["row"] | {"total_s": total, "prefill_s": pre,
+                            "decode_tok_s": args.batch * (n - 1) / decode if decode > 0 else None,
+                            "tokens_agree_with_bf16": float((tokens == ref_tokens).mean())}
+            rows.append(r)
+            p = "-" if r["protected"] is None else r["protected"]
+            print(f"{vb.method_label(ev):>16} {r['kv_bits']:>7} P={p:<5} {r['token_bytes']:4d} B/token, cache "
+                  f"{r['cache_bytes'] / 2**20:8.2f} MiB, program "
+                  f"{_num(r['program_bytes'], '.1f', 2**-20, ' MiB')}, decode {_num(r['decode_tok_s'])} tok/s, "
+                  f"agree {100 * r['tokens_agree_with_bf16']:.0f}%", flush=True)
+        return rows
+
+    rows = []
+    for ev in configs:
+        rows += measure(ev)
+        release_programs_near_mapping_limit()
+    load_end = os.getloadavg()
+    result = {"meta": {
+        "command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
+        "dtype": jnp.dtype(model.dtype).name, "batch": args.batch, "prompt_len": args.prompt_len,
+        "output_len": n, "repeats": args.repeats, "attention_impl": args.attention_impl,
+        "cpu_model": vb.cpu_model(), "device": device_desc(), "jax": jax.__version__,
+        "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in load_end],
+        "load_warning": vb.load_warning(max(load_start[0], load_end[0])),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }, "kv": rows}
+    text = kv_markdown(result)
+    print(text)
+    write_results(args.out, result, text)
+    return 0
+
+
+def kv_markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Mixed-precision KV cache: {m['model']}, {m['dtype']}", "",
+             f"batch {m['batch']}, prompt {m['prompt_len']}, {m['output_len']} new tokens (greedy), "
+             f"{m['repeats']} interleaved runs per setting (medians); {m['device']}, host {m['cpu_model']}, load "
+             f"{m['load_start'][0]} -> {m['load_end'][0]}."
+             + (f" **{m['load_warning']}**" if m["load_warning"] else ""),
+             "", "| method | cache | 16-bit slots P | bytes/token (K+V, one kv head) | cache MiB | x bf16 "
+             "| program MiB | decode tok/s | x bf16 | tokens = bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in result["kv"]:
+        key = (r["method"], r["budget"])
+        if r["kv_bits"] == "K16V16":
+            base[key] = r
+        b = base.get(key, r)
+        ratio = (r["decode_tok_s"] / b["decode_tok_s"]) if r["decode_tok_s"] and b["decode_tok_s"] else None
+        label = r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
+        lines.append(f"| {label} | {r['kv_bits']} | {'-' if r['protected'] is None else r['protected']} | "
+                     f"{r['token_bytes']} | {r['cache_bytes'] / 2**20:.2f} | "
+                     f"{r['cache_bytes'] / b['cache_bytes']:.3f} | "
+                     f"{_num(r['program_bytes'], '.1f', 2**-20)} | {_num(r['decode_tok_s'])} | "
+                     f"{_num(ratio, '.2f', suffix='x')} | {100 * r['tokens_agree_with_bf16']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -890,6 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
         return spread_report(args, model, model_desc, configs, load_start)
     if args.workload == "aime25":
         return aime25_report(args, model, model_desc, configs, load_start)
+    if args.kv_bits:
+        return kv_report(args, model, model_desc, configs, load_start)
     gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
     ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
     bench = Bench(args, model, ids, mask)

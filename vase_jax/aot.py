@@ -33,10 +33,12 @@ from vase_jax.cache import cache_bytes, init_cache
 from vase_jax.config import Qwen3Config, param_shapes
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, _generate, generate_target, query_window
+from vase_jax.generate import GenerateConfig, _generate, generate_target, generate_tiers, query_window
+from vase_jax.kvquant import KVBits
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.target import Target
+from vase_jax.tiers import TierLayout, init_tiered_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,21 +115,27 @@ class ProgramReport:
 
 def compile_generate(name: str, cfg: Qwen3Config, *, batch: int, eviction: EvictionConfig, prompt_len: int = 256,
                      max_new_tokens: int = 4096, dtype=jnp.bfloat16, layer_loop: str = "auto",
-                     attention_impl: str = "auto") -> tuple[jax.stages.Compiled, ProgramReport]:
+                     attention_impl: str = "auto", kv_bits: str = "bf16",
+                     kv_protected: int | None = None) -> tuple[jax.stages.Compiled, ProgramReport]:
     """`generate` for `cfg` compiled by target `name`'s own compiler on one of its devices (`TARGETS`), with
-    abstract arguments. Returns the compiled program and its `ProgramReport`."""
+    abstract arguments; `kv_bits` (a `KVBits` name) and `kv_protected`: a mixed-precision cache. Returns the
+    compiled program and its `ProgramReport`."""
     reason = missing(name)
     if reason:
         raise RuntimeError(reason)
     device = TARGETS[name].devices()[0]
     mesh = Mesh(np.array([device]), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
+    kv = KVBits.parse(kv_bits)
     config = GenerateConfig(max_new_tokens=max_new_tokens, layer_loop=layer_loop, attention_impl=attention_impl,
-                            platform=TARGETS[name].platform)
+                            platform=TARGETS[name].platform, key_bits=kv.key_bits, value_bits=kv.value_bits,
+                            kv_group=kv.key_group, kv_protected=kv_protected)
     model = abstract_model(cfg, dtype, replicated)
     target = generate_target(model, config)
     t = config.bucket(prompt_len)
     capacity = framework.capacity_for(eviction, t, max_new_tokens)
+    if kv.quantizes:
+        capacity = generate_tiers(cfg, config, eviction, t)
 
     def arg(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
@@ -158,8 +166,10 @@ def report(name: str, compiled, cfg: Qwen3Config, batch: int, eviction: Eviction
     memory = compiled.memory_analysis()
     itemsize = jnp.dtype(dtype).itemsize
     shapes = param_shapes(cfg)
-    cache = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, query_window(eviction), dtype,
-                                              framework.slot_state(eviction), target))
+    make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
+    cache = jax.eval_shape(lambda: make(cfg, batch, capacity, query_window(eviction), dtype,
+                                        framework.slot_state(eviction), target))
+    held = [cache.k, cache.v] + ([] if cache.kq is None else jax.tree.leaves((cache.kq, cache.vq)))
     text = compiled.as_text()
     layer_dims = {s for p, s in shapes.items() if p[0] == "layers" and len(s) > 1}
     return ProgramReport(
@@ -170,7 +180,7 @@ def report(name: str, compiled, cfg: Qwen3Config, batch: int, eviction: Eviction
         one_layer=sum(math.prod(s) for p, s in shapes.items() if p[:2] == ("layers", 0)) * itemsize,
         weight_slices=tuple(copying_reads(text, layer_dims | {(cfg.num_layers,) + d for d in layer_dims})),
         embedding_copies=tuple(copies_of(text, {(cfg.vocab_size, cfg.hidden_size)})),
-        cache_copies=tuple(copies_of(text, {tuple(x.shape) for x in (cache.k, cache.v)})), compile_s=seconds)
+        cache_copies=tuple(copies_of(text, {tuple(x.shape) for x in held})), compile_s=seconds)
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w\-]+)\((.*)$")
