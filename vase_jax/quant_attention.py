@@ -25,16 +25,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.decode_attention import decode_attention_partials_reference, stored_as
-from vase_jax.kvquant import Quantized, unpack
+from vase_jax.kvquant import Quantized
 
 _NEG = -1e30  # a finite start for the running max: exp(m_old - m_new) never sees inf - inf
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _codes(x: Quantized, start, block: int, layer, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _planes(x: Quantized, start, block: int, layer, dtype) -> tuple[list[jax.Array], jax.Array, jax.Array]:
     """Slots [start, start + block) of a quantized segment [(layers,) batch, kv_heads, slots, ...] (layer `layer`
-    when stacked, sliced straight from the stack): codes as float32 [b, h, block, G, g], scale and low
-    [b, h, block, G]. A 16-bit side (`bits` 16, its values or their bits as `codes`) is one group of scale 1."""
+    when stacked, sliced straight from the stack), as channel planes: codes as float32 [b, h, block, G, g / n]
+    per plane, scale and low [b, h, block, G]. 8 bits: one plane of every channel; 4 bits: two, the low nibbles
+    (the even channels) and the high nibbles (the odd ones), so nothing is interleaved per block (q and the
+    output are split and joined once per call). A 16-bit side (`bits` 16, its values or their bits as `codes`)
+    is one plane, one group of scale 1."""
 
     def take(a):
         if layer is None:
@@ -45,10 +48,34 @@ def _codes(x: Quantized, start, block: int, layer, dtype) -> tuple[jax.Array, ja
     if x.bits == 16:
         values = stored_as(take(x.codes), dtype).astype(jnp.float32)  # [b, h, block, D]
         ones = jnp.ones(values.shape[:3] + (1,), jnp.float32)
-        return values[..., None, :], ones, jnp.zeros_like(ones)
-    scale, low = take(x.scale).astype(jnp.float32), take(x.low).astype(jnp.float32)
-    codes = unpack(take(x.codes), x.bits).astype(jnp.float32)  # [b, h, block, D]
-    return codes.reshape(*codes.shape[:3], scale.shape[-1], -1), scale, low
+        return [values[..., None, :]], ones, jnp.zeros_like(ones)
+    scale = _floats(take(x.scale), dtype)  # [b, h, block, G]
+    low = _floats(take(x.low), dtype)
+    codes = take(x.codes)  # [b, h, block, D * bits / 8] uint8
+    lead = codes.shape[:3] + (scale.shape[-1], -1)
+    if x.bits == 8:
+        return [codes.astype(jnp.float32).reshape(lead)], scale, low
+    planes = [(codes & 0x0F).astype(jnp.float32).reshape(lead), (codes >> 4).astype(jnp.float32).reshape(lead)]
+    return planes, scale, low
+
+
+def _floats(x: jax.Array, dtype) -> jax.Array:
+    """Scales as float32: stored as floats, or as the bits (uint16) of the 16-bit `dtype`."""
+    return (stored_as(x, dtype) if x.dtype == jnp.uint16 else x).astype(jnp.float32)
+
+
+def _split_channels(x: jax.Array, bits: int, groups: int) -> list[jax.Array]:
+    """x [..., D] as the planes of `_planes`: [..., G, g / n] each (4 bits: even channels, then odd)."""
+    planes = [x] if bits != 4 else [x[..., 0::2], x[..., 1::2]]
+    return [p.reshape(*p.shape[:-1], groups, -1) for p in planes]
+
+
+def _join_channels(planes: list[jax.Array]) -> jax.Array:
+    """The inverse of `_split_channels`: planes [..., G, g / n] -> [..., D]."""
+    planes = [p.reshape(*p.shape[:-2], -1) for p in planes]
+    if len(planes) == 1:
+        return planes[0]
+    return jnp.stack(planes, axis=-1).reshape(*planes[0].shape[:-1], -1)
 
 
 def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array, length: jax.Array, *,
@@ -68,40 +95,61 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
     length = jnp.broadcast_to(jnp.clip(jnp.asarray(length, jnp.int32), 0, slots), (batch,))  # [b]
     used_blocks = (length.max() + block - 1) // block
     kg = max(k.scale.shape[-1], 1)  # key groups (a 16-bit side: one)
+    vg = max(v.scale.shape[-1], 1)
     qf = q.astype(jnp.float32) * scale  # [b, h, group, D]
-    q_groups = qf.reshape(batch, kv_heads, group, kg, -1)  # [b, h, group, Gk, gk]
-    q_sum = q_groups.sum(-1)  # [b, h, group, Gk]
+    q_planes = _split_channels(qf, k.bits, kg)  # [b, h, group, Gk, gk / n] each
+    q_sum = qf.reshape(batch, kv_heads, group, kg, -1).sum(-1)  # [b, h, group, Gk]
     offsets = jnp.arange(block, dtype=jnp.int32)
 
     def update(i, carry):
-        acc, m, l = carry
+        acc, m, l = carry  # acc: the value planes, [b, h, group, Gv, gv / n] each
         start = jnp.minimum(i * block, slots - block)  # the last block shifted back to fit; its repeats masked
         at = start + offsets  # [block]
-        k_codes, k_scale, k_low = _codes(k, start, block, layer, q.dtype)  # [b, h, blk, Gk, gk], [b, h, blk, Gk] x 2
-        v_codes, v_scale, v_low = _codes(v, start, block, layer, q.dtype)  # [b, h, blk, Gv, gv], [b, h, blk, Gv] x 2
+        k_planes, k_scale, k_low = _planes(k, start, block, layer, q.dtype)  # [b, h, blk, Gk, .], [b, h, blk, Gk]
+        v_planes, v_scale, v_low = _planes(v, start, block, layer, q.dtype)  # [b, h, blk, Gv, .], [b, h, blk, Gv]
         p_blk = (lax.dynamic_slice_in_dim(pos, start, block, axis=2) if layer is None else
                  lax.dynamic_slice(pos, (layer, 0, 0, start), (1, *pos.shape[1:3], block))[0])  # [b, h, blk]
         valid = (p_blk >= 0) & (at >= i * block)[None, None] & (at[None, None] < length[:, None, None])
-        per_group = jnp.einsum("bhgGc,bhsGc->bhgsG", q_groups, k_codes, precision=_HIGHEST)
-        s = (jnp.einsum("bhgsG,bhsG->bhgs", per_group, k_scale, precision=_HIGHEST)
-             + jnp.einsum("bhgG,bhsG->bhgs", q_sum, k_low, precision=_HIGHEST))  # [b, h, group, blk]
+        # s = sum_G scale[G] (q_G . code_G) + sum_G low[G] qsum[G]; one group: plain 4-D contractions (XLA:CPU
+        # runs the 5-D ones with a group axis about 1.3x slower at one group)
+        s = jnp.einsum("bhgG,bhsG->bhgs", q_sum, k_low, precision=_HIGHEST)  # [b, h, group, blk]
+        for qp, kp in zip(q_planes, k_planes, strict=True):
+            if kg == 1:
+                s = s + jnp.einsum("bhgc,bhsc->bhgs", qp[:, :, :, 0], kp[:, :, :, 0],
+                                   precision=_HIGHEST) * k_scale[:, :, None, :, 0]
+            else:
+                per_group = jnp.einsum("bhgGc,bhsGc->bhgsG", qp, kp, precision=_HIGHEST)  # [b, h, g, blk, Gk]
+                s = s + (per_group * k_scale[:, :, None]).sum(-1)
         s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # [b, h, group]
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])  # [b, h, group, blk]; 0 on invalid slots
-        weighted = jnp.einsum("bhgs,bhsG->bhgsG", p, v_scale, precision=_HIGHEST)  # p_j scale_j[G]
-        pv = jnp.einsum("bhgsG,bhsGc->bhgGc", weighted, v_codes, precision=_HIGHEST)  # [b, h, group, Gv, gv]
-        pv = pv + jnp.einsum("bhgs,bhsG->bhgG", p, v_low, precision=_HIGHEST)[..., None]
-        return acc * correction[..., None] + pv.reshape(acc.shape), m_new, l * correction + p.sum(-1)
+        weighted = p[..., None] * jnp.where(valid[..., None], v_scale, 0.0)[:, :, None]  # [b, h, g, blk, Gv]
+        low = jnp.einsum("bhgs,bhsG->bhgG", p, jnp.where(valid[..., None], v_low, 0.0),
+                         precision=_HIGHEST)[..., None]  # [b, h, group, Gv, 1]
+        def values(vp):  # [b, h, group, Gv, gv / n]
+            if vg == 1:
+                out = jnp.einsum("bhgs,bhsc->bhgc", weighted[..., 0], vp[:, :, :, 0], precision=_HIGHEST)
+                return out[:, :, :, None]
+            return jnp.einsum("bhgsG,bhsGc->bhgGc", weighted, vp, precision=_HIGHEST)
+
+        acc = tuple(a * correction[..., None, None] + low + values(vp) for a, vp in zip(acc, v_planes, strict=True))
+        return acc, m_new, l * correction + p.sum(-1)
 
     def body(state):
         i, carry = state
-        return i + 1, update(i, carry)
+        # Always taken (i < used_blocks in the loop): as in the 16-bit reference, the cond keeps XLA:CPU from
+        # hoisting the 16-bit scales' conversion (no bf16 dynamic-slice there) out of the loop, over the whole
+        # segment; inside it the conversion fuses into the slice of one block.
+        return i + 1, lax.cond(i < used_blocks, functools.partial(update, i), lambda c: c, carry)
 
-    init = (jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32),
-            jnp.full((batch, kv_heads, group), _NEG, jnp.float32), jnp.zeros((batch, kv_heads, group), jnp.float32))
+    planes = 2 if v.bits == 4 else 1
+    acc0 = tuple(jnp.zeros((batch, kv_heads, group, vg, head_dim // vg // planes), jnp.float32)
+                 for _ in range(planes))
+    init = (acc0, jnp.full((batch, kv_heads, group), _NEG, jnp.float32), jnp.zeros((batch, kv_heads, group),
+                                                                                    jnp.float32))
     _, (acc, m, l) = lax.while_loop(lambda st: st[0] < used_blocks, body, (jnp.int32(0), init))
-    return acc, m, l
+    return _join_channels(list(acc)), m, l
 
 
 def merge(parts, dtype) -> jax.Array:
