@@ -472,7 +472,9 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
     batch = cache.length.shape[0]
     newest = cache.length[:, None] - b_ + jnp.arange(b_)[None]  # [b, B] 16-bit slots of the newest B
 
-    def one_layer(layer, c: KVCache) -> KVCache:
+    flushing = due & ~evicting
+
+    def evict_layer(layer, c: KVCache) -> KVCache:  # the evicting rows: the policy over both tiers
         keys, values, vpos = virtual_layer(c, layer)  # [b, h, V, D] x 2, [b, h, V]
         v_slots = vpos.shape[-1]
         slot = jnp.arange(v_slots)
@@ -483,28 +485,17 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
         rng = layer_of(c.value_range, layer)  # [b, h, V]
         state = {name: layer_of(x, layer) for name, x in c.state.items()}
         score = _protection(rng, jnp.where(candidate, vpos, -1), t)
-
-        # A flush: the P best 16-bit candidates stay, the other 16-bit candidates are quantized after the
-        # quantized tier's `qlength` slots, which stay where they are.
-        src16, chosen = _sources_16(score, candidate & ~is_q, newest, t)
-        appended = _rest_in_order(candidate & ~is_q, chosen, t.quant_slots)  # [b, h, Q] virtual 16-bit slots
-        i = jnp.broadcast_to(jnp.arange(t.quant_slots), appended.shape)
-        stays = i < c.qlength[:, None, None]
-        srcq = jnp.where(stays, i, _gather(appended, i - c.qlength[:, None, None]))
-        fresh = ~stays & (srcq >= 0)
-
-        if eviction.evicts:  # an eviction: the policy's kept slots, split by `kvquant.split_kept`'s rule
-            kept = _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row,
-                           row_ids, attention_impl, batch)  # [b, h, K] virtual slots
-            ev16, evq, evfresh = _split(kept, is_q, score, newest, t)
-            rows = evicting[:, None, None]
-            src16, srcq, fresh = (jnp.where(rows, e, x) for e, x in ((ev16, src16), (evq, srcq), (evfresh, fresh)))
+        kept = _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row,
+                       row_ids, attention_impl, batch)  # [b, h, K] virtual slots
+        src16, srcq, fresh = _split(kept, is_q, score, newest, t)  # by `kvquant.split_kept`'s rule
         src = Sources(keys, values, vpos, rng, state, (_layer_quantized(c.kq, layer), _layer_quantized(c.vq, layer)))
-        return _write_layer(c, layer, src, src16, srcq, fresh, due)
+        return _write_layer(c, layer, src, src16, srcq, fresh, evicting)
 
-    layers = jnp.where(jnp.any(due), cache.num_layers, 0)
     with jax.named_scope("retier"):
-        new = jax.lax.fori_loop(0, layers, one_layer, cache)
+        new = jax.lax.fori_loop(0, jnp.where(jnp.any(flushing), cache.num_layers, 0),
+                                lambda layer, c: _flush_layer(c, layer, flushing, newest), cache)
+        if eviction.evicts:
+            new = jax.lax.fori_loop(0, jnp.where(jnp.any(evicting), cache.num_layers, 0), evict_layer, new)
     # New counters: the 16-bit tier holds P + B; the quantized tier what the flush appended or the K - P kept.
     fresh_count = _flush_count(cache, t)
     qlength = jnp.where(evicting, eviction.kept - p if eviction.evicts else 0,
@@ -513,6 +504,61 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
     return new.replace(length=jnp.where(due, p + b_, cache.length), qlength=jnp.where(due, qlength, cache.qlength),
                        seen=jnp.where(evicting, budget, cache.seen),
                        evictions=cache.evictions + evicting.astype(jnp.int32))
+
+
+def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> KVCache:
+    """A flush of layer `layer` for the `rows` [batch] bool: the P 16-bit candidates of largest protection score
+    stay, then the newest B (`newest` [b, B] 16-bit slots); the other 16-bit candidates (at most B) are quantized
+    and appended to the quantized tier at its `qlength` slots, which stay as they are (only the appended slots
+    are written: a flush costs O(F + B) per layer, not O(Q))."""
+    t = cache.tiers
+    f, b_ = t.full_slots, t.buffer
+    dtype = cache.float_dtype
+    pos16 = layer_of(cache.pos, layer)  # [b, h, F]
+    b, h = pos16.shape[:2]
+    slot = jnp.arange(f)
+    candidate = (pos16 >= 0) & (slot < (cache.length - b_)[:, None, None])  # [b, h, F]
+    rng = layer_of(cache.value_range, layer)  # [b, h, V]
+    src16, chosen = _sources_16(_protection(rng[..., :f], jnp.where(candidate, pos16, -1), t), candidate, newest, t)
+    fresh = _rest_in_order(candidate, chosen, b_)  # [b, h, B] 16-bit slots to quantize (-1 past them)
+    ok16, okf = src16 >= 0, fresh >= 0
+    keys, values = cache.layer_keys(layer), cache.layer_values(layer)  # [b, h, F, D]
+
+    def keep(new, old):
+        return jnp.where(rows.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
+
+    def set16(stack, new, fill):
+        return jax.lax.dynamic_update_index_in_dim(
+            stack, keep(jnp.where(ok16.reshape(ok16.shape + (1,) * (new.ndim - 3)), new, fill),
+                        layer_of(stack, layer)).astype(stack.dtype), layer, axis=0)
+
+    new = cache.replace(k=set16(cache.k, _gather(cache.k[layer], src16), 0),
+                        v=set16(cache.v, _gather(cache.v[layer], src16), 0),
+                        pos=set16(cache.pos, _gather(pos16, src16), -1))
+    # The appended slots: quantized tier slot qlength + i (virtual F + qlength + i); rows not flushing and empty
+    # entries go out of range and are dropped.
+    at = jnp.where(rows[:, None, None] & okf, cache.qlength[:, None, None] + jnp.arange(b_), t.quant_slots)
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    bits_storage = cache.k.dtype == jnp.uint16
+    kq = _quantize(_gather(keys, fresh).astype(dtype), t, "key", dtype, bits_storage)  # [b, h, B, ...]
+    vq = _quantize(_gather(values, fresh).astype(dtype), t, "value", dtype, bits_storage)
+
+    def append(stack, x):
+        return stack.at[layer, bi, hi, at].set(x.astype(stack.dtype), mode="drop")
+
+    new = new.replace(kq=jax.tree.map(append, cache.kq, kq), vq=jax.tree.map(append, cache.vq, vq),
+                      qpos=append(cache.qpos, _gather(pos16, fresh)))
+    virtual_at = jnp.where(at < t.quant_slots, f + at, rng.shape[-1])  # [b, h, B]
+
+    def per_slot(stack, lowered):  # the 16-bit part permuted, the appended part written
+        x = layer_of(stack, layer)  # [b, h, V]
+        part16 = keep(jnp.where(ok16, _gather(x[..., :f], src16), 0.0), x[..., :f])
+        appended = _gather(x[..., :f], fresh)
+        stack = jax.lax.dynamic_update_slice(stack, part16[None], (layer, 0, 0, 0))
+        return stack.at[layer, bi, hi, virtual_at].set(_lower(appended) if lowered else appended, mode="drop")
+
+    return new.replace(value_range=per_slot(cache.value_range, True),
+                       state={name: per_slot(x, False) for name, x in cache.state.items()})
 
 
 def _flush_count(cache: KVCache, tiers: TierLayout) -> jax.Array:
