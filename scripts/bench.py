@@ -203,6 +203,11 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
             raise ValueError(f"--device-gb={args.device_gb} must be > 0")
     elif args.scale != "protocol":
         raise ValueError("--scale applies to --workload aime25")
+    if args.kv_bits is not None:
+        if aime or args.spread_samples or args.compile_only or args.compare_hf:
+            raise ValueError("--kv-bits runs alone: drop --workload, --spread-samples, --compile-only and "
+                             "--compare-hf")
+        args.kv_bits = kv_settings(args.kv_bits)
     defaults = {"model": DEFAULT_MODEL, "prompt_len": 128, "methods": "full,vase_attnv,vase_dkv", "budgets": [512],
                 "buffer": 64} | ({} if aime else {"batch": 4})
     for name, value in defaults.items():
@@ -893,7 +898,7 @@ def kv_report(args, model, model_desc: str, configs: list[EvictionConfig], load_
     def measure(ev: EvictionConfig) -> list[dict]:
         rows = []
         variants = []
-        for name in kv_settings(args.kv_bits):
+        for name in args.kv_bits:
             kv = KVBits.parse(name)
             base = GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
                                   layer_loop=args.layer_loop, attention_impl=args.attention_impl)
@@ -933,7 +938,8 @@ def kv_report(args, model, model_desc: str, configs: list[EvictionConfig], load_
                                 prefills=[], row={
                 "method": ev.method, "budget": ev.budget if ev.evicts else None, "kv_bits": name,
                 "protected": protected, "output_len": n, "slots": slots, "compile_s": compile_s,
-                "token_bytes": token_bytes(cfg.head_dim, kv, jnp.dtype(model.dtype).itemsize),
+                "token_bytes": token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim),
+                                           jnp.dtype(model.dtype).itemsize),
                 "cache_bytes": cache_bytes(cache),
                 "program_bytes": None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
                                                            + mem.temp_size_in_bytes - mem.alias_size_in_bytes)}))

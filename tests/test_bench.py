@@ -116,6 +116,8 @@ def script():
     (["--workload", "aime25", "--spread-samples", "3"], "runs alone"),
     (["--workload", "aime25", "--scale", "tiny", "--samples", "0"], "--samples=0"),
     (["--scale", "tiny"], "--scale applies to --workload aime25"),
+    (["--kv-bits", "K8V8,K3V3"], "--kv-bits: key_bits=3"),
+    (["--kv-bits", "K8V8", "--compare-hf"], "--kv-bits runs alone"),
 ])
 def test_bad_input_is_one_line_error_before_any_work(script, args, needle, capsys):
     try:
@@ -225,6 +227,27 @@ def test_spread_workload_static_vs_continuous(tmp_path):
         assert r["step_ratio"] == s["steps"] / c["steps"]
         assert (s["events"] > 0 and c["events"] > 0) == (r["method"] == "vase_dkv")
     assert (tmp_path / "results.md").read_text().startswith("| method |")
+
+
+@pytest.mark.slow
+def test_kv_bits_report(tmp_path):
+    """--kv-bits: a row per (method, setting, protection) with the cache's bytes, the program's, decode tokens/s
+    and the agreement with the 16-bit cache's tokens; the 16-bit row first. No timing assertions."""
+    args = ["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods",
+            "full,vase_attnv", "--budgets", "16", "--buffer", "8", "--kv-bits", "K8V8", "--out", str(tmp_path)]
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["kv"]
+    assert [(r["method"], r["kv_bits"], r["protected"]) for r in rows] == [
+        ("full", "K16V16", None), ("full", "K8V8", (64 + 24) // 4), ("full", "K8V8", 0),  # a quarter of the cache
+        ("vase_attnv", "K16V16", None), ("vase_attnv", "K8V8", 4), ("vase_attnv", "K8V8", 0)]  # Nv = N / 4
+    for r in rows:
+        assert r["cache_bytes"] > 0 and r["program_bytes"] > 0 and r["decode_tok_s"] > 0
+        assert 0 <= r["tokens_agree_with_bf16"] <= 1
+        # head_dim 32 in float32: 2 x 32 x 4 bytes; K8V8 with one group per head: 2 x (32 codes + 2 x 4 bytes)
+        assert r["token_bytes"] == (256 if r["kv_bits"] == "K16V16" else 80)
+    assert all(r["tokens_agree_with_bf16"] == 1 for r in rows if r["kv_bits"] == "K16V16")
+    assert (tmp_path / "results.md").read_text().startswith("# Mixed-precision KV cache")
 
 
 # ---- the AIME25 workload ----------------------------------------------------------------------------------------

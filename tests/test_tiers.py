@@ -91,24 +91,30 @@ def _top_range(c, layer, row, head, layout, sinks: bool) -> set:
     return set(pos[order[:layout.protected]].tolist())
 
 
-def test_flush_keeps_the_top_range_tokens_in_16_bits_and_quantizes_each_token_once(tiny):
-    layout, snaps = _trace(tiny, EvictionConfig("full", buffer=B), KVBits(8, 4, 32, 16), 24, 3 * B)
-    assert layout.protected == 24 and layout.force_sinks
-    _check_history(snaps, layout, expect_all=True)
+def _check_ticks(snaps, layout) -> int:
+    """After every tick of a row: its newest B and its sinks in 16 bits, and the other 16-bit tokens exactly the
+    NumPy top-P by recorded Range. Returns the ticks checked."""
     ticks = 0
     for c in snaps[1:]:
         for row in range(2):
             if int(c.row_pos[row]) % B:
                 continue
             ticks += 1
+            newest = set(range(int(c.row_pos[row]) - B, int(c.row_pos[row])))
             for layer in range(TINY.num_layers):
                 for head in range(TINY.num_kv_heads):
-                    s16, sq, _ = _positions(c, layer, row, head)
-                    newest = set(range(int(c.row_pos[row]) - B, int(c.row_pos[row])))
+                    s16, _, _ = _positions(c, layer, row, head)
                     assert newest <= s16  # the recent window stays in 16 bits
                     assert s16 - newest == _top_range(c, layer, row, head, layout, sinks=True)
                     assert {0, 1, 2, 3} <= s16  # the sinks
-    assert ticks >= 4
+    return ticks
+
+
+def test_flush_keeps_the_top_range_tokens_in_16_bits_and_quantizes_each_token_once(tiny):
+    layout, snaps = _trace(tiny, EvictionConfig("full", buffer=B), KVBits(8, 4, 32, 16), 24, 3 * B)
+    assert layout.protected == 24 and layout.force_sinks
+    _check_history(snaps, layout, expect_all=True)
+    assert _check_ticks(snaps, layout) >= 4
 
 
 def test_eviction_keeps_vase_protected_slots_in_16_bits(tiny):
@@ -116,18 +122,7 @@ def test_eviction_keeps_vase_protected_slots_in_16_bits(tiny):
     layout, snaps = _trace(tiny, eviction, KVBits(8, 8, 32, 32), None, 5 * B)
     assert layout.protected == eviction.num_value_slots == 12
     _check_history(snaps, layout, expect_all=False)
-    ticks = 0
-    for c in snaps[1:]:
-        for row in range(2):
-            if int(c.row_pos[row]) % B:
-                continue
-            ticks += 1
-            for layer in range(TINY.num_layers):
-                for head in range(TINY.num_kv_heads):
-                    s16, _, _ = _positions(c, layer, row, head)
-                    newest = set(range(int(c.row_pos[row]) - B, int(c.row_pos[row])))
-                    assert s16 - newest == _top_range(c, layer, row, head, layout, sinks=True)
-    assert ticks >= 8
+    assert _check_ticks(snaps, layout) >= 8
     last = snaps[-1]
     assert (last.evictions >= 2).all()
     for row in range(2):
