@@ -204,8 +204,8 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, target)
     b, t = x.shape[:2]
     if cache is not None and cache.tiers is not None:  # a mixed-precision cache (`vase_jax.tiers`)
-        return _tiered_attention(cfg, w, x, q, k, v, mask, cache, layer, attention_impl, target)
-    if cache is not None and t == 1:
+        out, cache = _tiered_attention(q, k, v, mask, cache, layer, attention_impl)
+    elif cache is not None and t == 1:
         cache = write_token(cache, layer, k, v, q)
         # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ),
         # and nothing of a row that takes no token this step (finished, or waiting for its first tick).
@@ -227,12 +227,10 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
 
 
-def _tiered_attention(cfg: Qwen3Config, w, x, q, k, v, mask, cache: KVCache, layer, attention_impl: str,
-                      target: Target | None):
-    """`attention` over a mixed-precision cache: the token (or the prompt) written into its tiers, a decode
-    step's attention over both tiers merged by log-sum-exp."""
-    b, t = x.shape[:2]
-    if t == 1:
+def _tiered_attention(q, k, v, mask, cache: KVCache, layer, attention_impl: str):
+    """`attention`'s output over a mixed-precision cache, and the cache: the token (or the prompt) written into
+    its tiers, a decode step's attention over both tiers merged by log-sum-exp."""
+    if k.shape[2] == 1:
         cache = tiers.write_token(cache, layer, k, v, q)
         out = tiers.decode_attention(q[:, :, :, 0], cache, layer, attention_impl)[:, :, :, None]
         if cache.state:
@@ -245,9 +243,7 @@ def _tiered_attention(cfg: Qwen3Config, w, x, q, k, v, mask, cache: KVCache, lay
         else:
             out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
         cache = tiers.write_prompt(cache, layer, k, v, q, mask[:, -1, :], weights)
-    hd = cfg.num_heads * cfg.head_dim
-    out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
-    return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
+    return out, cache
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

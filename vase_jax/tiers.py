@@ -196,10 +196,6 @@ def _set_layer(stack: jax.Array, layer, value: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, axis=0)
 
 
-def _set_quantized_layer(stack: Quantized, layer, value: Quantized) -> Quantized:
-    return jax.tree.map(lambda s, v: _set_layer(s, layer, v), stack, value)
-
-
 def _gather(x: jax.Array, src: jax.Array) -> jax.Array:
     """x [b, h, S, ...] at slots src [b, h, T] (clipped into range) -> [b, h, T, ...]."""
     idx = jnp.clip(src, 0, x.shape[2] - 1)
