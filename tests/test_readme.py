@@ -26,7 +26,8 @@ def _check_kept(out, kept):
 @pytest.mark.slow
 def test_register_your_own_policy_examples(tiny_untied, prompt_batch):
     text = README.read_text()
-    section = text[text.index("### Register your own policy"):text.index("## Evaluation")]
+    start = text.index("### Register your own policy")
+    section = text[start:text.index("\n## ", start)]  # up to the next top-level section
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2
     namespace: dict = {}
