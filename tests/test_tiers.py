@@ -160,6 +160,29 @@ def test_generate_with_a_quantized_cache_is_deterministic_and_compiles_once(tiny
     assert int(a.cache.qlength.max()) > 0
 
 
+def test_ticks_and_steps_copy_no_stack_of_the_cache(tiny):
+    """No copy of a whole stacked cache array ([layers, batch, kv_heads, slots, ...]) anywhere in the decode loop:
+    neither per step nor in a tick's loops over layers, which rewrite one layer in place (a copy there costs
+    the whole cache per layer, O(layers^2) per tick). Batch 3 keeps the leading dims apart."""
+    from flax import nnx
+    from hlo_utils import per_step_copies
+
+    from vase_jax.generate import _generate, generate_tiers
+    from vase_jax.target import Target
+
+    graphdef, state = nnx.split(tiny)
+    ids = jnp.ones((3, 64), jnp.int32)
+    lead = (TINY.num_layers, 3, TINY.num_kv_heads)
+    for eviction in (EvictionConfig("full", buffer=B), EvictionConfig("vase_attnv", budget=48, buffer=B)):
+        config = GenerateConfig(max_new_tokens=64, temperature=0.6, key_bits=8, value_bits=4, kv_group=16)
+        layout = generate_tiers(TINY, config, eviction, 64)
+        hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(3),
+                              jnp.full((3,), 64, jnp.int32), config, eviction, layout,
+                              Target.make("cpu", config.layer_loop)).compile().as_text()
+        copies = per_step_copies(hlo, lambda dims: len(dims) >= 4 and dims[:3] == lead, follow_branches=True)
+        assert copies == [], f"{eviction.method}: stack copies in the decode loop:\n" + "\n".join(copies)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(key_bits=4, value_bits=8), "key_bits=4 < value_bits=8"),
     (dict(key_bits=3, value_bits=3), "key_bits=3"),

@@ -271,13 +271,14 @@ class Sources:
 
 
 def _write_layer(cache: KVCache, layer, src: Sources, src16: jax.Array, srcq: jax.Array, fresh: jax.Array,
-                 rows: jax.Array | None) -> KVCache:
+                 rows: jax.Array | None, most_fresh: int | None = None) -> KVCache:
     """Rewrite layer `layer` of both tiers.
 
     src16 [b, h, F]: the source slot of each 16-bit slot (-1: empty); srcq [b, h, Q]: of each quantized slot, a
     source slot where `fresh` [b, h, Q] (quantized now from the source's 16-bit value), else a slot of the old
     quantized tier whose codes it keeps (`src.old_codes`), or -1 (empty). rows [batch] bool: the rows rewritten
-    (None: all; the others keep their layer as it is).
+    (None: all; the others keep their layer as it is). `most_fresh`: a bound on the fresh slots of a (row, kv
+    head) (None: Q); only that many tokens are quantized, gathered in slot order and scattered to their slots.
     """
     t = cache.tiers
     f = t.full_slots
@@ -313,13 +314,27 @@ def _write_layer(cache: KVCache, layer, src: Sources, src16: jax.Array, srcq: ja
                              for name, x in cache.state.items()})
     if not t.quant_slots:
         return new
-    kq = _quantize(jnp.where(fresh[..., None], _gather(src.keys, fresh_src), 0).astype(dtype), t, "key", dtype,
-                   bits_storage)
-    vq = _quantize(jnp.where(fresh[..., None], _gather(src.values, fresh_src), 0).astype(dtype), t, "value",
+    q_slots = t.quant_slots
+    m = q_slots if most_fresh is None else min(most_fresh, q_slots)
+    if m < q_slots:  # the fresh slots in slot order, compacted: dest [b, h, m] (Q: none)
+        b, h = fresh.shape[:2]
+        rank = jnp.where(fresh, jnp.cumsum(fresh, axis=-1) - 1, m)  # [b, h, Q]
+        dest = jnp.full((b, h, m), q_slots, jnp.int32).at[
+            jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], rank].set(
+            jnp.broadcast_to(jnp.arange(q_slots, dtype=jnp.int32), fresh.shape), mode="drop")
+        fresh_src = jnp.where(dest < q_slots, _gather(fresh_src, dest), -1)  # [b, h, m]
+    ok_fresh = fresh_src >= 0
+    kq = _quantize(jnp.where(ok_fresh[..., None], _gather(src.keys, fresh_src), 0).astype(dtype), t, "key", dtype,
+                   bits_storage)  # [b, h, m, ...]
+    vq = _quantize(jnp.where(ok_fresh[..., None], _gather(src.values, fresh_src), 0).astype(dtype), t, "value",
                    dtype, bits_storage)
     if src.old_codes is not None:  # slots already quantized keep their codes
         def pick(n, o):
-            return jnp.where(old_q.reshape(old_q.shape + (1,) * (n.ndim - 3)), _gather(o, srcq), n)
+            kept = jnp.where(old_q.reshape(old_q.shape + (1,) * (n.ndim - 3)), _gather(o, srcq), 0).astype(n.dtype)
+            if m == q_slots:
+                return jnp.where(fresh.reshape(fresh.shape + (1,) * (n.ndim - 3)), n, kept)
+            bi, hi = jnp.arange(n.shape[0])[:, None, None], jnp.arange(n.shape[1])[None, :, None]
+            return kept.at[bi, hi, dest].set(n, mode="drop")  # [b, h, Q, ...]
 
         kq = jax.tree.map(pick, kq, src.old_codes[0])
         vq = jax.tree.map(pick, vq, src.old_codes[1])
@@ -485,15 +500,18 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
                        row_ids, attention_impl, batch)  # [b, h, K] virtual slots
         src16, srcq, fresh = _split(kept, is_q, score, newest, t)  # by `kvquant.split_kept`'s rule
         src = Sources(keys, values, vpos, rng, state, (_layer_quantized(c.kq, layer), _layer_quantized(c.vq, layer)))
-        return _write_layer(c, layer, src, src16, srcq, fresh, evicting)
+        # fresh tokens come from the 16-bit tier less its newest B (which stay): at most F - B of them
+        return _write_layer(c, layer, src, src16, srcq, fresh, evicting, most_fresh=f - b_)
 
     with jax.named_scope("retier"):
-        new = jax.lax.fori_loop(0, jnp.where(jnp.any(flushing), cache.num_layers, 0),
-                                lambda layer, c: _flush_layer(c, layer, flushing, newest), cache)
+        # the flush's count comes out of the loop (read with the layer it rewrites: reading the old cache after
+        # the loop would keep the old `pos` stack alive, a copy of it per tick)
+        new, fresh_count = jax.lax.fori_loop(0, jnp.where(jnp.any(flushing), cache.num_layers, 0),
+                                             lambda layer, c: _flush_layer(c[0], layer, flushing, newest),
+                                             (cache, jnp.zeros_like(cache.length)))
         if eviction.evicts:
             new = jax.lax.fori_loop(0, jnp.where(jnp.any(evicting), cache.num_layers, 0), evict_layer, new)
     # New counters: the 16-bit tier holds P + B; the quantized tier what the flush appended or the K - P kept.
-    fresh_count = _flush_count(cache, t)
     qlength = jnp.where(evicting, eviction.kept - p if eviction.evicts else 0,
                         jnp.minimum(cache.qlength + fresh_count, t.quant_slots))
     budget = eviction.budget if eviction.evicts else 0
@@ -502,11 +520,15 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
                        evictions=cache.evictions + evicting.astype(jnp.int32))
 
 
-def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> KVCache:
+def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> tuple[KVCache, jax.Array]:
     """A flush of layer `layer` for the `rows` [batch] bool: the P 16-bit candidates of largest protection score
     stay, then the newest B (`newest` [b, B] 16-bit slots); the other 16-bit candidates (at most B) are quantized
     and appended to the quantized tier at its `qlength` slots, which stay as they are (only the appended slots
-    are written: a flush costs O(F + B) per layer, not O(Q))."""
+    are written: a flush costs O(F + B) per layer, not O(Q)). Returns the cache and [batch] the tokens each
+    flushing row quantizes (the same in every layer and kv head: each holds the same tokens).
+
+    Every read gathers straight from the stacks (the layer index is part of the gather) and every write is one
+    update of this layer, so the loop over layers rewrites the stacks in place (no copy of a stack per layer)."""
     t = cache.tiers
     f, b_ = t.full_slots, t.buffer
     dtype = cache.float_dtype
@@ -514,56 +536,48 @@ def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> K
     b, h = pos16.shape[:2]
     slot = jnp.arange(f)
     candidate = (pos16 >= 0) & (slot < (cache.length - b_)[:, None, None])  # [b, h, F]
-    rng = layer_of(cache.value_range, layer)  # [b, h, V]
-    src16, chosen = _sources_16(_protection(rng[..., :f], jnp.where(candidate, pos16, -1), t), candidate, newest, t)
-    fresh = _rest_in_order(candidate, chosen, b_)  # [b, h, B] 16-bit slots to quantize (-1 past them)
+    rng16 = layer_of(cache.value_range, layer)[..., :f]  # [b, h, F]
+    src16, chosen = _sources_16(_protection(rng16, jnp.where(candidate, pos16, -1), t), candidate, newest, t)
+    src16 = jnp.where(rows[:, None, None], src16, slot)  # rows not flushing: every slot stays
+    fresh = jnp.where(rows[:, None, None], _rest_in_order(candidate, chosen, b_), -1)  # [b, h, B] to quantize
     ok16, okf = src16 >= 0, fresh >= 0
-    keys, values = cache.layer_keys(layer), cache.layer_values(layer)  # [b, h, F, D]
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    at16, atf = jnp.clip(src16, 0, f - 1), jnp.clip(fresh, 0, f - 1)  # [b, h, F], [b, h, B]
 
-    def keep(new, old):
-        return jnp.where(rows.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
+    def reorder(stack, fill):
+        """(the stack with this layer's 16-bit slots in their new order, empty ones filled; the slots to
+        quantize [b, h, B, ...]), read by one gather from the stack: its only reader before the write."""
+        both = stack[layer, bi, hi, jnp.concatenate([at16, atf], axis=-1)]  # [b, h, F + B, ...]
+        new = jnp.where(ok16.reshape(ok16.shape + (1,) * (both.ndim - 3)), both[:, :, :f], fill)
+        return jax.lax.dynamic_update_index_in_dim(stack, new, layer, axis=0), both[:, :, f:]
 
-    def set16(stack, new, fill):
-        return jax.lax.dynamic_update_index_in_dim(
-            stack, keep(jnp.where(ok16.reshape(ok16.shape + (1,) * (new.ndim - 3)), new, fill),
-                        layer_of(stack, layer)).astype(stack.dtype), layer, axis=0)
-
-    new = cache.replace(k=set16(cache.k, _gather(cache.k[layer], src16), 0),
-                        v=set16(cache.v, _gather(cache.v[layer], src16), 0),
-                        pos=set16(cache.pos, _gather(pos16, src16), -1))
+    bits_storage = cache.k.dtype == jnp.uint16
+    k_stack, k_fresh = reorder(cache.k, 0)
+    v_stack, v_fresh = reorder(cache.v, 0)
+    pos_stack, appended_pos = reorder(cache.pos, -1)
+    kq = _quantize(from_bits(k_fresh, dtype), t, "key", dtype, bits_storage)  # [b, h, B, ...]
+    vq = _quantize(from_bits(v_fresh, dtype), t, "value", dtype, bits_storage)
+    new = cache.replace(k=k_stack, v=v_stack, pos=pos_stack)
     # The appended slots: quantized tier slot qlength + i (virtual F + qlength + i); rows not flushing and empty
     # entries go out of range and are dropped.
-    at = jnp.where(rows[:, None, None] & okf, cache.qlength[:, None, None] + jnp.arange(b_), t.quant_slots)
-    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-    bits_storage = cache.k.dtype == jnp.uint16
-    kq = _quantize(_gather(keys, fresh).astype(dtype), t, "key", dtype, bits_storage)  # [b, h, B, ...]
-    vq = _quantize(_gather(values, fresh).astype(dtype), t, "value", dtype, bits_storage)
+    at = jnp.where(okf, cache.qlength[:, None, None] + jnp.arange(b_), t.quant_slots)  # [b, h, B]
 
     def append(stack, x):
         return stack.at[layer, bi, hi, at].set(x.astype(stack.dtype), mode="drop")
 
     new = new.replace(kq=jax.tree.map(append, cache.kq, kq), vq=jax.tree.map(append, cache.vq, vq),
-                      qpos=append(cache.qpos, _gather(pos16, fresh)))
-    virtual_at = jnp.where(at < t.quant_slots, f + at, rng.shape[-1])  # [b, h, B]
+                      qpos=append(cache.qpos, appended_pos))
+    virtual_at = jnp.where(at < t.quant_slots, f + at, cache.tiers.virtual_slots)  # [b, h, B]
+    targets = jnp.concatenate([jnp.broadcast_to(slot, (b, h, f)), virtual_at], axis=-1)  # [b, h, F + B]
 
-    def per_slot(stack, lowered):  # the 16-bit part permuted, the appended part written
-        x = layer_of(stack, layer)  # [b, h, V]
-        part16 = keep(jnp.where(ok16, _gather(x[..., :f], src16), 0.0), x[..., :f])
-        appended = _gather(x[..., :f], fresh)
-        stack = jax.lax.dynamic_update_slice(stack, part16[None], (layer, 0, 0, 0))
-        return stack.at[layer, bi, hi, virtual_at].set(_lower(appended) if lowered else appended, mode="drop")
+    def per_slot(stack, lowered):  # one scatter: the 16-bit part permuted, the appended part written
+        both = stack[layer, bi, hi, jnp.concatenate([at16, atf], axis=-1)]  # [b, h, F + B]
+        part16, appended = jnp.where(ok16, both[..., :f], 0.0), both[..., f:]
+        values = jnp.concatenate([part16, _lower(appended) if lowered else appended], axis=-1)
+        return stack.at[layer, bi, hi, targets].set(values, mode="drop")
 
     return new.replace(value_range=per_slot(cache.value_range, True),
-                       state={name: per_slot(x, False) for name, x in cache.state.items()})
-
-
-def _flush_count(cache: KVCache, tiers: TierLayout) -> jax.Array:
-    """[batch] tokens a flush quantizes: the 16-bit candidates beyond the P kept (the same for every layer and
-    kv head: each holds the same number of tokens)."""
-    pos = cache.pos[0, :, 0]  # [b, F]
-    slot = jnp.arange(pos.shape[-1])
-    count = ((pos >= 0) & (slot[None] < (cache.length - tiers.buffer)[:, None])).sum(-1)
-    return jnp.maximum(count - tiers.protected, 0).astype(jnp.int32)
+                       state={name: per_slot(x, False) for name, x in cache.state.items()}), okf[:, 0].sum(-1)
 
 
 def _split(kept: jax.Array, is_q: jax.Array, score: jax.Array, newest: jax.Array, tiers: TierLayout):
