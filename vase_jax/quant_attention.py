@@ -112,7 +112,10 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
         valid = (p_blk >= 0) & (at >= i * block)[None, None] & (at[None, None] < length[:, None, None])
         # s = sum_G scale[G] (q_G . code_G) + sum_G low[G] qsum[G]; one group: plain 4-D contractions (XLA:CPU
         # runs the 5-D ones with a group axis about 1.3x slower at one group)
-        s = jnp.einsum("bhgG,bhsG->bhgs", q_sum, k_low, precision=_HIGHEST)  # [b, h, group, blk]
+        if kg == 1:  # one group: the low term is a broadcast product, not a contraction
+            s = q_sum[..., :1] * k_low[:, :, None, :, 0]  # [b, h, group, blk]
+        else:
+            s = jnp.einsum("bhgG,bhsG->bhgs", q_sum, k_low, precision=_HIGHEST)  # [b, h, group, blk]
         for qp, kp in zip(q_planes, k_planes, strict=True):
             if kg == 1:
                 s = s + jnp.einsum("bhgc,bhsc->bhgs", qp[:, :, :, 0], kp[:, :, :, 0],
@@ -125,8 +128,11 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])  # [b, h, group, blk]; 0 on invalid slots
         weighted = p[..., None] * jnp.where(valid[..., None], v_scale, 0.0)[:, :, None]  # [b, h, g, blk, Gv]
-        low = jnp.einsum("bhgs,bhsG->bhgG", p, jnp.where(valid[..., None], v_low, 0.0),
-                         precision=_HIGHEST)[..., None]  # [b, h, group, Gv, 1]
+        v_low = jnp.where(valid[..., None], v_low, 0.0)  # [b, h, blk, Gv]
+        if vg == 1:
+            low = (p * v_low[:, :, None, :, 0]).sum(-1)[..., None, None]  # [b, h, group, 1, 1]
+        else:
+            low = jnp.einsum("bhgs,bhsG->bhgG", p, v_low, precision=_HIGHEST)[..., None]  # [b, h, group, Gv, 1]
         def values(vp):  # [b, h, group, Gv, gv / n]
             if vg == 1:
                 out = jnp.einsum("bhgs,bhsc->bhgc", weighted[..., 0], vp[:, :, :, 0], precision=_HIGHEST)
