@@ -213,6 +213,8 @@ def test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache():
     eviction = EvictionConfig("vase_attnv", budget=4096, buffer=64)
     layout = tier_layout(KVBits(4, 4), None, eviction, 256, 32768)
     assert (layout.protected, layout.full_slots, layout.quant_slots) == (1024, 1152, 3072)
+    # without eviction the default P is a quarter of the cache: prompt bucket + new tokens (bench.py --kv-bits)
+    assert tier_layout(KVBits(8, 8), None, EvictionConfig("full", buffer=8), 64, 24).protected == (64 + 24) // 4
     assert _bytes(layout) / _bytes() <= 0.5, _bytes(layout) / _bytes()
     k8v8 = tier_layout(KVBits(8, 8), 0, EvictionConfig("vase_dkv", budget=4096, buffer=64), 256, 32768)
     assert _bytes(k8v8) / _bytes() <= 0.6
