@@ -61,6 +61,21 @@ def test_device_program_reads_weights_in_place_and_holds_the_cache_once(target, 
     assert report.arguments >= report.weights  # the weights are arguments, read where they are
 
 
+def test_h200_mixed_precision_program_holds_its_smaller_cache_once():
+    """The mixed-precision cache (K4V4, vase_attnv's Nv slots in 16 bits) on an H200: no copy of any of its arrays
+    (its ticks rewrite each layer in place), no weight sliced, and temporaries within the 16-bit program's bound
+    for its own, smaller cache. (XLA:TPU relayouts the quantized arrays: docs/DESIGN.md.)"""
+    reason = aot.missing("h200")
+    if reason:
+        pytest.skip(reason)
+    _, report = aot.compile_generate("h200", CFG, batch=16, eviction=METHODS["vase_attnv"], prompt_len=128,
+                                     max_new_tokens=4096, kv_bits="K4V4")
+    assert report.cache_copies == (), "\n".join(report.cache_copies[:5])
+    assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
+    assert report.cache < 0.6 * _report("h200", "vase_attnv").cache
+    assert report.temporaries <= 1.1 * (report.cache + report.one_layer)
+
+
 def test_the_checks_see_copies():
     """The report's detectors, on a program that copies a slice of a stacked weight and a whole cache-like array."""
     hlo = """HloModule m
