@@ -1,6 +1,6 @@
-"""scripts/eval.py on a mesh and over two processes (2 x 4 CPU devices, gloo on 127.0.0.1): the same records and
-summary as one process on one device; a killed multi-process run resumes with nothing lost or duplicated; bad
-mesh / process flags fail with one clear line before anything is loaded."""
+"""scripts/eval.py on a mesh and over two processes (2 x 2 or 2 x 1 CPU devices, gloo on 127.0.0.1): the same
+records and summary as one process on one device; a killed multi-process run resumes with nothing lost or
+duplicated; bad mesh / process flags fail with one clear line before anything is loaded."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PROBLEMS = [  # gsm8k format, one prompt bucket
     {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
     {"question": "Tom has 5 apples and eats 2 of them. How many apples are left?", "answer": "#### 3"},
 ]
-SAMPLES = 8  # rows per call: one per device of the two processes (the default mesh: every device in data)
+SAMPLES = 8  # rows per call: two per device of the two processes (the default mesh: every device in data)
 VOLATILE = ("seconds",)  # wall-clock
 
 
@@ -52,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_two(work, out, *extra: str, devices: int = 4) -> list[subprocess.Popen]:
+def _start_two(work, out, *extra: str, devices: int = 2) -> list[subprocess.Popen]:
     port = _free_port()
     return [subprocess.Popen([sys.executable, str(SCRIPT), *_args(
         work, out, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -91,7 +91,8 @@ def single(work):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, devices", [("data=4,model=2", 4),  # heads over the devices of each process
+# 2 devices per process, not 4: with 8 virtual devices on 2 cores every call ran 3x slower (data=4,model=2 was 76 s)
+@pytest.mark.parametrize("mesh, devices", [("data=2,model=2", 2),  # heads over the devices of each process
                                            ("data=1,model=2", 1)])  # heads over the two processes
 def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, devices):
     """Tensor parallelism over gloo: the same records and summary as one device. (Sampling once took ~7 s per step
