@@ -29,7 +29,9 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
               compiled loop on a cache holding what `generate` holds at that point (full: prompt + tokens slots;
               eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
               bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth); with the platform's
-              layer loop, and vase_dkv at 16k once more with the other loop
+              layer loop, and vase_dkv at 16k once more with the other loop; and after each `full` figure the same
+              step on a K4V4 mixed-precision cache (issue 27: a quarter of the capacity in 16 bits, the rest
+              quantized; `bench.filled_tiered_cache`), its step time against the 16-bit cache's
   7. lowering `generate` lowered on the device, and lowered for the device's platform by a CPU-only process
               (JAX_PLATFORMS=cpu, `lower_generate(platforms=...)`): any difference is reported
   8. kernels  scripts/bench_kernels.py with the table's parameters: decode attention and window scores, XLA vs the
@@ -37,13 +39,15 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
   9. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape, batch 16
 
 With the default budget (470 s) phases 1-4 fit (issue 25's figures); run the others with `--skip
-tests,sweep,workload,events` in another lease.
+tests,sweep,workload,events` in another lease (issue 27's figure: `--skip tests,sweep,workload,events,memory`, the
+decode phase first).
 
 Targets (benchmark goals, not pass/fail of this script), reported in the table: the decode kernel at >= 70% of the
 read bandwidth at batch 16 x 4k-16k slots and at batch 128 x 2k slots; eviction events <= 3% of the decode time
 between them (vase_dkv, vase_attnv); the AIME25 protocol's projected wall time for vase_dkv@2048 <= 30 minutes
 (full's beside it); the vase_dkv@2048 decode step at 16k at >= 0.75 of its bytes bound; vase_dkv vs full decode
-tokens/s at 16k >= 2.3x; device peak <= weights + cache + 2 GiB; the device's lowering equals the CPU host's.
+tokens/s at 16k >= 2.3x; the full K4V4 decode step at 16k <= 0.6x of the 16-bit cache's (issue 27); device peak
+<= weights + cache + 2 GiB; the device's lowering equals the CPU host's.
 
 Each phase has a time budget (`--budget-s` in all); a phase that runs out is stopped and reported as such, and the
 decode phase writes each figure as soon as it has it, so a stopped run still reports what it measured.
@@ -52,6 +56,7 @@ decode phase writes each figure as soon as it has it, so a stopped run still rep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -62,7 +67,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
-CAPS = {"tests": 60, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 120, "lowering": 50,
+CAPS = {"tests": 60, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 180, "lowering": 50,
         "kernels": 40, "spread": 50}
 # The workload phase: the rows of each method, planned beforehand on a CPU host with the H200's compiler (no
 # device time), for a device whose allocator may use 0.95 of its memory (`bench.py` sets
@@ -134,11 +139,14 @@ def decode_benchmark(
     deadline: float | None = None,
     json_path: str | None = None,
     bandwidth_mib: int = 8192,  # large enough that one pass (ms) dwarfs a call's dispatch and sync
+    kv_bits: tuple[str, ...] = ("K4V4",),
 ) -> dict:
     """Decode tokens/s of `methods` at the cache state after each of `lengths` generated tokens (module docstring).
 
     Returns (and writes to `json_path` after every figure) dict(meta=..., rows=[...]); a row per (method, length)
     with step_ms, evict_ms (eviction methods), tokens_per_s, bound_tokens_per_s, or `skipped` past the deadline.
+    `kv_bits`: after each `full` row, the same step on a mixed-precision cache of each setting (issue 27: its
+    default protection, a quarter of the capacity in 16 bits), a row "full K4V4" with `x_bf16_step`.
     """
     import jax
     import jax.numpy as jnp
@@ -147,7 +155,8 @@ def decode_benchmark(
     import vase_jax as vj
     from vase_jax import bench as vb
     from vase_jax.eviction import framework
-    from vase_jax.generate import generate_target, query_window
+    from vase_jax.generate import generate_target, generate_tiers, query_window
+    from vase_jax.kvquant import KVBits, token_bytes
     from vase_jax.target import LAYER_LOOPS, Target
 
     cfg = vb.shrink(vb.named_configs()[model], layers=layers)
@@ -180,6 +189,36 @@ def decode_benchmark(
 
     token = jnp.zeros((batch,), jnp.int32)
     row_ids = jnp.arange(batch, dtype=jnp.int32)
+
+    def tiered_step(name: str, length: int, live: int, bf16_step_ms: float, target) -> dict:
+        """`full`'s decode step at `live` tokens on a mixed-precision cache of setting `name` (its default
+        protection: the capacity's quarter in 16 bits, the rest quantized), against the 16-bit cache's step."""
+        kv = KVBits.parse(name)
+        config = dataclasses.replace(gen, max_new_tokens=length, key_bits=kv.key_bits, value_bits=kv.value_bits,
+                                     kv_group=kv.key_group)
+        layout = generate_tiers(cfg, config, vj.EvictionConfig("full", buffer=buffer), bucket)
+        cache = vb.filled_tiered_cache(cfg, batch, layout, live, 0, jdtype, target=target)
+        t0 = time.perf_counter()
+        cache, _ = jax.block_until_ready(
+            vb.decode_steps(graphdef, state, cache, token, None, micro_steps, attention_impl, target))
+        first_s = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cache, _ = jax.block_until_ready(
+                vb.decode_steps(graphdef, state, cache, token, None, micro_steps, attention_impl, target))
+            times.append(time.perf_counter() - t0)
+        del cache
+        step_s = sorted(times)[len(times) // 2] / micro_steps
+        n16 = min(live, layout.protected + layout.buffer)
+        quant_slot = per_slot * token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), jdtype.itemsize) / (
+            token_bytes(cfg.head_dim, KVBits(), jdtype.itemsize))
+        step_bytes = weight_bytes + n16 * per_slot + (live - n16) * quant_slot
+        bound = batch * read_bw / step_bytes
+        return dict(method=f"full {name}", tokens=length, live_slots=live, protected=layout.protected,
+                    quantized_slots=live - n16, step_ms=step_s * 1e3, decode_compile_and_first_s=first_s,
+                    tokens_per_s=batch / step_s, bound_tokens_per_s=bound, achieved_over_bound=batch / step_s / bound,
+                    bytes_per_step=step_bytes, x_bf16_step=step_s * 1e3 / bf16_step_ms)
     measured: dict[tuple, dict] = {}  # eviction methods: one cache state for every length
     # the longest length first, so that a run stopped for time still has the 16k comparison; every method with the
     # platform's layer loop, then the `other_loop` ones at the longest length with the other loop
@@ -241,6 +280,14 @@ def decode_benchmark(
                                "achieved_over_bound": tps / bound, "bytes_per_step": step_bytes,
                                "eviction_share": share})
         save()
+        if method == "full" and layer_loop == default.layer_loop:
+            for name in kv_bits:
+                if out_of_time():
+                    result["rows"].append({**row, "method": f"full {name}", "skipped": "time budget"})
+                    save()
+                    continue
+                result["rows"].append(tiered_step(name, length, live, entry["step_ms"], target))
+                save()
     return result
 
 
@@ -530,6 +577,11 @@ def targets(report: dict) -> dict[str, str]:
             share = at["vase_dkv"]["achieved_over_bound"]
             out["vase_dkv@2048 decode step at 16k >= 0.75 of its bytes bound"] = (
                 f"{'met' if share >= 0.75 else 'not met'}: {share:.2f}")
+        for name in [m for m in at if m.startswith("full K")]:
+            ratio = at[name]["x_bf16_step"]
+            out[f"{name} decode step at 16k <= 0.6x the 16-bit cache's"] = (
+                f"{'met' if ratio <= 0.6 else 'not met'}: {ratio:.2f}x ({at[name]['step_ms']:.2f} ms against "
+                f"{at['full']['step_ms']:.2f} ms)")
         if "full" in at and "vase_dkv" in at:
             ratio = at["vase_dkv"]["tokens_per_s"] / at["full"]["tokens_per_s"]
             bound = at["vase_dkv"]["bound_tokens_per_s"] / at["full"]["bound_tokens_per_s"]

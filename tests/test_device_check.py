@@ -44,11 +44,16 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
     rows = {r["method"]: r for r in result["rows"]}
     # vase_dkv: not among the methods; CPU's layer loop is the switched one, the other is unrolled
     assert result["meta"]["layer_loop"] == "switch"
-    assert set(rows) == {"full", "vase_attnv@32", "vase_attnv@32 (unroll)"}
+    assert set(rows) == {"full", "full K4V4", "vase_attnv@32", "vase_attnv@32 (unroll)"}
     for r in rows.values():
         assert r["tokens"] == 64 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 and r["step_ms"] > 0
     assert rows["vase_attnv@32"]["evict_ms"] > 0
     assert rows["full"]["live_slots"] > rows["vase_attnv@32"]["live_slots"]
+    # the mixed-precision step (issue 27): the same live tokens, a quarter of the capacity in 16 bits, the rest
+    # quantized, so fewer bytes per step than the 16-bit cache's
+    k4 = rows["full K4V4"]
+    assert k4["live_slots"] == rows["full"]["live_slots"] and k4["quantized_slots"] > 0 and k4["x_bf16_step"] > 0
+    assert k4["bytes_per_step"] < rows["full"]["bytes_per_step"]
 
     kernels = dict(meta=dict(copy_bandwidth_gb_per_s=100.0, dtype="bfloat16", kv_heads=8, group=4, head_dim=128,
                              window=64),
@@ -72,6 +77,7 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
     report["targets"] = device_check.targets(report)
     assert report["targets"]["decode kernel >= 70% of copy bandwidth (batch 16, 4k-16k slots)"].startswith("met")
     assert "vase_dkv vs full tokens/s at 16k >= 2.3x" in report["targets"]
+    assert "full K4V4 decode step at 16k <= 0.6x the 16-bit cache's" in report["targets"]
     assert report["targets"]["device peak <= weights + cache + 2 GiB"].startswith("met")
     assert report["targets"]["the device's lowering equals the CPU host's"] == "not met: 2 lines differ"
     table = device_check.markdown(report)

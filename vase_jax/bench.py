@@ -273,14 +273,61 @@ def filled_cache(
                for i, (name, x) in enumerate(empty.state.items())})
 
 
+def filled_tiered_cache(cfg: Qwen3Config, batch: int, layout, live: int, window: int, dtype, seed: int = 0,
+                        target: Target | None = None) -> KVCache:
+    """A mixed-precision cache (`tiers.TierLayout` `layout`) holding `live` tokens as between two ticks: the
+    newest min(live, P + B) in the 16-bit tier (random normal keys and values), the others in the quantized tier
+    (uniformly random codes, every group's scale 2 / (2^bits - 1) and low -1: values in [-1, 1]); stored as
+    `target` stores a cache. For timing decode steps (`decode_steps` with `start=None`), not for accuracy."""
+    from vase_jax.tiers import init_tiered_cache  # noqa: PLC0415 (tiers imports generate's modules)
+
+    empty = jax.eval_shape(lambda: init_tiered_cache(cfg, batch, layout, window, dtype, (), target))
+    n16 = min(live, layout.protected + layout.buffer)
+    nq = live - n16
+    if nq > layout.quant_slots:
+        raise ValueError(f"live={live}: more than the layout's P + B + Q = "
+                         f"{layout.protected + layout.buffer + layout.quant_slots} tokens")
+    kk, kv, kr, kc = jax.random.split(jax.random.key(seed), 4)
+    slot16 = jnp.arange(layout.full_slots, dtype=jnp.int32)
+    slotq = jnp.arange(layout.quant_slots, dtype=jnp.int32)
+
+    def normals(key, like):
+        return stored(jax.random.normal(key, like.shape, dtype), empty)
+
+    def quantized(key, like):  # `kvquant.Quantized` with random codes and the same scale and low everywhere
+        if like.bits == 16:  # a 16-bit side holds its values (or their bits) as codes
+            return like.replace(codes=normals(key, like.codes))
+        def constant(x, value):
+            v = jnp.full(x.shape, value, dtype)
+            return jax.lax.bitcast_convert_type(v, jnp.uint16) if x.dtype == jnp.uint16 else v.astype(x.dtype)
+
+        codes = jax.random.bits(key, like.codes.shape, like.codes.dtype)  # uint8 (no wider draw held)
+        return like.replace(codes=codes, scale=constant(like.scale, 2.0 / (2**like.bits - 1)),
+                            low=constant(like.low, -1.0))
+
+    def counter(value):  # [batch]; a new buffer per field, since callers donate the cache
+        return jnp.full(empty.length.shape, value, jnp.int32)
+
+    return empty.replace(
+        k=normals(kk, empty.k), v=normals(kv, empty.v), queries=normals(kr, empty.queries),
+        pos=jnp.broadcast_to(jnp.where(slot16 < n16, nq + slot16, -1), empty.pos.shape),
+        kq=quantized(kc, empty.kq), vq=quantized(jax.random.fold_in(kc, 1), empty.vq),
+        qpos=jnp.broadcast_to(jnp.where(slotq < nq, slotq, -1), empty.qpos.shape),
+        qlength=counter(nq), value_range=jnp.zeros(empty.value_range.shape, jnp.float32),
+        query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=counter(live), length=counter(n16),
+        seen=counter(live), evictions=counter(0), active=jnp.ones(empty.active.shape, bool), state={})
+
+
 @functools.partial(target_jit, static_argnums=(0, 5, 6, 7), target_argnum=7, donate_argnums=(2,))
 def decode_steps(graphdef, state, cache: KVCache, token, start, steps: int, attention_impl: str, target: Target):
-    """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction), with
-    `target`'s layer loop, as `generate` runs them. The cache is donated, so it is updated in place as in
-    `generate`. Returns (cache, last token)."""
+    """`steps` greedy `decode_step`s in one `fori_loop`, from a cache reset to `start` slots (no eviction; None:
+    the cache's own counters, as for a mixed-precision cache from `filled_tiered_cache`, which has no tick
+    here), with `target`'s layer loop, as `generate` runs them. The cache is donated, so it is updated in place as
+    in `generate`. Returns (cache, last token)."""
     model = nnx.merge(graphdef, state)
-    start = jnp.full_like(cache.row_pos, start)  # every row
-    cache = cache.replace(length=start, seen=start, row_pos=start)
+    if start is not None:
+        start = jnp.full_like(cache.row_pos, start)  # every row
+        cache = cache.replace(length=start, seen=start, row_pos=start)
 
     def body(_, carry):
         c, tok = carry
