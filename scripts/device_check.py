@@ -190,6 +190,21 @@ def decode_benchmark(
     token = jnp.zeros((batch,), jnp.int32)
     row_ids = jnp.arange(batch, dtype=jnp.int32)
 
+    def time_steps(cache, start, target) -> tuple[float, float]:
+        """(seconds per decode step: the median of `repeats` loops of `micro_steps`, the first loop's seconds,
+        compile included) on `cache` (donated; `start`: `bench.decode_steps`'s)."""
+        t0 = time.perf_counter()
+        cache, _ = jax.block_until_ready(
+            vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
+        first_s = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cache, _ = jax.block_until_ready(
+                vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] / micro_steps, first_s
+
     def tiered_step(name: str, length: int, live: int, bf16_step_ms: float, target) -> dict:
         """`full`'s decode step at `live` tokens on a mixed-precision cache of setting `name` (its default
         protection: the capacity's quarter in 16 bits, the rest quantized), against the 16-bit cache's step."""
@@ -197,19 +212,8 @@ def decode_benchmark(
         config = dataclasses.replace(gen, max_new_tokens=length, key_bits=kv.key_bits, value_bits=kv.value_bits,
                                      kv_group=kv.key_group)
         layout = generate_tiers(cfg, config, vj.EvictionConfig("full", buffer=buffer), bucket)
-        cache = vb.filled_tiered_cache(cfg, batch, layout, live, 0, jdtype, target=target)
-        t0 = time.perf_counter()
-        cache, _ = jax.block_until_ready(
-            vb.decode_steps(graphdef, state, cache, token, None, micro_steps, attention_impl, target))
-        first_s = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            cache, _ = jax.block_until_ready(
-                vb.decode_steps(graphdef, state, cache, token, None, micro_steps, attention_impl, target))
-            times.append(time.perf_counter() - t0)
-        del cache
-        step_s = sorted(times)[len(times) // 2] / micro_steps
+        step_s, first_s = time_steps(vb.filled_tiered_cache(cfg, batch, layout, live, 0, jdtype, target=target),
+                                     None, target)
         n16 = min(live, layout.protected + layout.buffer)
         quant_slot = per_slot * token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), jdtype.itemsize) / (
             token_bytes(cfg.head_dim, KVBits(), jdtype.itemsize))
@@ -240,22 +244,10 @@ def decode_benchmark(
         live = min(live, capacity - micro_steps)  # the micro steps append `micro_steps` slots
         state_key = (method, capacity, live, layer_loop)
         if state_key not in measured:
-            start = live
-            cache = vb.filled_cache(cfg, batch, capacity, start, window, jdtype, target=target)
-            t0 = time.perf_counter()
-            cache, _ = jax.block_until_ready(
-                vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
-            first_s = time.perf_counter() - t0
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                cache, _ = jax.block_until_ready(
-                    vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
-                times.append(time.perf_counter() - t0)
-            step_s = sorted(times)[len(times) // 2] / micro_steps
+            step_s, first_s = time_steps(vb.filled_cache(cfg, batch, capacity, live, window, jdtype, target=target),
+                                         live, target)
             entry = dict(live_slots=live, capacity=capacity, step_ms=step_s * 1e3,
                          decode_compile_and_first_s=first_s)
-            del cache
             if ev.evicts:
                 cache = vb.filled_cache(cfg, batch, capacity, budget + buffer, window, jdtype, target=target)
                 key = jax.random.key(0)
