@@ -543,11 +543,12 @@ def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> t
     ok16, okf = src16 >= 0, fresh >= 0
     bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
     at16, atf = jnp.clip(src16, 0, f - 1), jnp.clip(fresh, 0, f - 1)  # [b, h, F], [b, h, B]
+    read_at = jnp.concatenate([at16, atf], axis=-1)  # [b, h, F + B]: every slot a stack is read at
 
     def reorder(stack, fill):
         """(the stack with this layer's 16-bit slots in their new order, empty ones filled; the slots to
         quantize [b, h, B, ...]), read by one gather from the stack: its only reader before the write."""
-        both = stack[layer, bi, hi, jnp.concatenate([at16, atf], axis=-1)]  # [b, h, F + B, ...]
+        both = stack[layer, bi, hi, read_at]  # [b, h, F + B, ...]
         new = jnp.where(ok16.reshape(ok16.shape + (1,) * (both.ndim - 3)), both[:, :, :f], fill)
         return jax.lax.dynamic_update_index_in_dim(stack, new, layer, axis=0), both[:, :, f:]
 
@@ -567,11 +568,11 @@ def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> t
 
     new = new.replace(kq=jax.tree.map(append, cache.kq, kq), vq=jax.tree.map(append, cache.vq, vq),
                       qpos=append(cache.qpos, appended_pos))
-    virtual_at = jnp.where(at < t.quant_slots, f + at, cache.tiers.virtual_slots)  # [b, h, B]
+    virtual_at = jnp.where(at < t.quant_slots, f + at, t.virtual_slots)  # [b, h, B]
     targets = jnp.concatenate([jnp.broadcast_to(slot, (b, h, f)), virtual_at], axis=-1)  # [b, h, F + B]
 
     def per_slot(stack, lowered):  # one scatter: the 16-bit part permuted, the appended part written
-        both = stack[layer, bi, hi, jnp.concatenate([at16, atf], axis=-1)]  # [b, h, F + B]
+        both = stack[layer, bi, hi, read_at]  # [b, h, F + B]
         part16, appended = jnp.where(ok16, both[..., :f], 0.0), both[..., f:]
         values = jnp.concatenate([part16, _lower(appended) if lowered else appended], axis=-1)
         return stack.at[layer, bi, hi, targets].set(values, mode="drop")
