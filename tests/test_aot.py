@@ -1,8 +1,8 @@
 """`generate` compiled deviceless for an NVIDIA H200 (XLA:GPU, Triton kernels) and a TPU v5p (XLA:TPU, Mosaic
 kernels) on this host (`vase_jax.aot`): the program each device would run, checked on the compiler's own output.
 
-Qwen3-8B's shape with 4 layers, bf16, batch 16, a 128-token prompt, 4096 new tokens, `full` and the paper's
-budget 2048 for `vase_dkv` and `vase_attnv`. For each: no instruction slices or copies a layer weight, nothing
+Qwen3-8B's shape with 4 layers, bf16, batch 16, a 128-token prompt, 4096 new tokens, `full` and the paper's budget
+2048 for `vase_dkv` (H200 only) and `vase_attnv`. For each: no instruction slices or copies a layer weight, nothing
 copies the embedding table, the cache is held once (no copy of it, in the decode loop or around it), and the
 temporaries are at most the cache plus one layer's weights, plus 10%. Beyond the cache, the temporaries are the
 prefill's activations, which grow with batch x prompt tokens (the dense prefill attention's scores with batch x
@@ -49,8 +49,12 @@ def _report(target: str, method: str) -> aot.ProgramReport:
     return report
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-@pytest.mark.parametrize("target", sorted(aot.TARGETS))
+# Every method on the H200; on the v5p, full and vase_attnv: vase_dkv evicts through the same loop as vase_attnv,
+# with other scores (its compile took ~100 s of a CI run near its limit)
+PROGRAMS = [(t, m) for t in sorted(aot.TARGETS) for m in sorted(METHODS) if (t, m) != ("v5p", "vase_dkv")]
+
+
+@pytest.mark.parametrize("target, method", PROGRAMS)
 def test_device_program_reads_weights_in_place_and_holds_the_cache_once(target, method):
     report = _report(target, method)
     assert report.device_kind == ("NVIDIA H200" if target == "h200" else "TPU v5")
