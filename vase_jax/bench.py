@@ -297,9 +297,8 @@ def filled_tiered_cache(cfg: Qwen3Config, batch: int, layout, live: int, window:
     def quantized(key, like):  # `kvquant.Quantized` with random codes and the same scale and low everywhere
         if like.bits == 16:  # a 16-bit side holds its values (or their bits) as codes
             return like.replace(codes=normals(key, like.codes))
-        def constant(x, value):
-            v = jnp.full(x.shape, value, dtype)
-            return jax.lax.bitcast_convert_type(v, jnp.uint16) if x.dtype == jnp.uint16 else v.astype(x.dtype)
+        def constant(x, value):  # stored as the cache stores its floats (scales are bits where k is)
+            return stored(jnp.full(x.shape, value, dtype), empty)
 
         codes = jax.random.bits(key, like.codes.shape, like.codes.dtype)  # uint8 (no wider draw held)
         return like.replace(codes=codes, scale=constant(like.scale, 2.0 / (2**like.bits - 1)),
