@@ -117,6 +117,37 @@ def test_merge_of_two_segments_is_attention_over_their_union():
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_one_loop_over_both_tiers_equals_their_merged_partials(bits, group):
+    """`segments_partials` (the XLA path's one loop: the 16-bit tier's blocks, then the quantized tier's) gives the
+    log-sum-exp merge of each tier's own partials, for a cache stacked over layers, rows of different lengths
+    (one with an empty quantized tier, one with nothing), and segments of unequal sizes."""
+    from pallas_kernels.decode_attention import decode_attention_partials_reference
+    from vase_jax.quant_attention import Segment, merge, quantized_partials, segments_partials, sixteen_bit_segment
+
+    layers, b, h, g, d = 2, 3, 2, 4, 128
+    full_slots, quant_slots = 64, 160
+    keys = jax.random.split(jax.random.key(7), 5)
+    q = jax.random.normal(keys[0], (b, h, g, d), jnp.bfloat16)
+    k16 = jax.random.normal(keys[1], (layers, b, h, full_slots, d), jnp.bfloat16)
+    v16 = jax.random.normal(keys[2], (layers, b, h, full_slots, d), jnp.bfloat16)
+    kq = quantize(jax.random.normal(keys[3], (layers, b, h, quant_slots, d)), bits, group or d,
+                  scale_dtype=jnp.bfloat16)
+    vq = quantize(jax.random.normal(keys[4], (layers, b, h, quant_slots, d)) * 3, bits, group or d,
+                  scale_dtype=jnp.bfloat16)
+    pos16 = jnp.broadcast_to(jnp.arange(full_slots, dtype=jnp.int32), (layers, b, h, full_slots))
+    posq = jnp.broadcast_to(jnp.arange(quant_slots, dtype=jnp.int32), (layers, b, h, quant_slots))
+    posq = posq.at[:, :, 1, 5].set(-1)  # an empty slot
+    lengths, qlengths = jnp.array([40, 64, 0], jnp.int32), jnp.array([150, 0, 0], jnp.int32)
+    for layer in (1, jnp.int32(0)):
+        got = merge([segments_partials(q, [sixteen_bit_segment(k16, v16, pos16, lengths),
+                                           Segment(kq, vq, posq, qlengths)], layer=layer)], jnp.float32)
+        want = merge([decode_attention_partials_reference(q, k16, v16, pos16, lengths, block_size=64, layer=layer),
+                      quantized_partials(q, kq, vq, posq, qlengths, layer=layer)], jnp.float32)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert np.all(np.asarray(got[2]) == 0)  # a row with no slot
+
+
 def _split_kept_numpy(kept, quantized, value_range, protected):
     """One (row, kv head): the 16-bit kept slots by Range, descending (ties: earlier in `kept`), the first P."""
     bf16 = [i for i, s in enumerate(kept) if not quantized[s]]

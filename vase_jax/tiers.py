@@ -32,10 +32,10 @@ Capacities: V = the 16-bit cache's slot count (`max(P_b, N) + B` with eviction, 
 F = P + 2B and Q = max(V - P - B, P_b - P) (right after a tick the 16-bit tier holds P + B of the tokens), each
 rounded up to the attention block.
 
-Decode attention: the 16-bit tier through the usual kernels' partials, the quantized tier through
-`quant_attention.quantized_partials` (scales folded into the einsums; no dequantized copy), merged by
-log-sum-exp. Eviction scoring sees dequantized keys and values, one layer at a time, and Range from
-`value_range`.
+Decode attention: on the XLA path one loop over the 16-bit tier's blocks, then the quantized tier's
+(`quant_attention.segments_partials`: scales folded into the einsums, no dequantized copy, one online softmax);
+the kernels read each tier on its own and their partials are merged by log-sum-exp. Eviction scoring sees
+dequantized keys and values, one layer at a time, and Range from `value_range`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import get_decode_partials, get_quant_decode_partials
+from pallas_kernels import get_decode_partials, get_quant_decode_partials, select
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     KVCache,
@@ -68,7 +68,7 @@ from vase_jax.eviction import framework, scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, split_kept
-from vase_jax.quant_attention import merge
+from vase_jax.quant_attention import Segment, merge, segments_partials, sixteen_bit_segment
 from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
 
@@ -422,22 +422,35 @@ def _kernels_take(kv_bits: KVBits) -> bool:
 
 
 def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -> jax.Array:
-    """Decode attention of q [batch, kv_heads, group, head_dim] over both tiers of layer `layer`, merged by
-    log-sum-exp: [batch, kv_heads, group, head_dim] in q's dtype. `attention_impl` picks the kernels of both tiers
-    (`pallas_kernels.get_decode_partials`, `get_quant_decode_partials`: the codes are unpacked in the kernel); a
-    setting the kernels do not take (`_kernels_take`: a 16-bit side, groups under 16 channels) is read by the
-    XLA path."""
+    """Decode attention of q [batch, kv_heads, group, head_dim] over both tiers of layer `layer`:
+    [batch, kv_heads, group, head_dim] in q's dtype.
+
+    The XLA path (`attention_impl` "xla", and "auto" off GPU and TPU) reads both tiers in one loop
+    (`quant_attention.segments_partials`: the 16-bit blocks, then the quantized ones, one online softmax). The
+    kernels (`pallas_kernels.get_decode_partials`, `get_quant_decode_partials`: the codes unpacked in the kernel)
+    read each tier on its own, merged by log-sum-exp; a setting the quantized kernels do not take
+    (`_kernels_take`: a 16-bit side, groups under 16 channels) has its quantized tier read by the XLA path."""
     t = cache.tiers
     lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
-    parts = [get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer)]
-    if t.quant_slots:
-        qlengths = jnp.where(cache.active, cache.qlength, 0)
+    if not t.quant_slots:
+        return merge([get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer)], q.dtype)
+    qlengths = jnp.where(cache.active, cache.qlength, 0)
+
+    def one_loop():
+        segments = [sixteen_bit_segment(cache.k, cache.v, cache.pos, lengths),
+                    Segment(cache.kq, cache.vq, cache.qpos, qlengths)]
+        return merge([segments_partials(q, segments, block=DEFAULT_BLOCK_SIZE, layer=layer)], q.dtype)
+
+    def kernels():
         bits = dict(key_bits=cache.kq.bits, value_bits=cache.vq.bits)
         impl = attention_impl if _kernels_take(t.kv_bits) else "xla"
         kq, vq = cache.kq, cache.vq
-        parts.append(get_quant_decode_partials(impl, **bits)(q, kq.codes, kq.scale, kq.low, vq.codes, vq.scale,
-                                                              vq.low, cache.qpos, qlengths, layer))
-    return merge(parts, q.dtype)
+        return merge([get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer),
+                      get_quant_decode_partials(impl, **bits)(q, kq.codes, kq.scale, kq.low, vq.codes, vq.scale,
+                                                              vq.low, cache.qpos, qlengths, layer)], q.dtype)
+
+    # the branches read the arrays they close over (a static `layer` stays static)
+    return select(attention_impl, xla=one_loop, triton=lambda _: kernels, tpu=lambda _: kernels)()
 
 
 def virtual_layer(cache: KVCache, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
