@@ -23,7 +23,7 @@ PROBLEMS = [  # gsm8k format, one prompt bucket
     {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
     {"question": "Tom has 5 apples and eats 2 of them. How many apples are left?", "answer": "#### 3"},
 ]
-SAMPLES = 8  # rows per call: two per device of the two processes (the default mesh: every device in data)
+SAMPLES = 8  # rows per call, split over the data axis of every mesh here
 VOLATILE = ("seconds",)  # wall-clock
 
 
@@ -92,27 +92,27 @@ def single(work):
 
 
 @pytest.mark.slow
-# 2 devices per process, not 4: with 8 virtual devices on 2 cores every call ran 3x slower (data=4,model=2 was 76 s)
-@pytest.mark.parametrize("mesh, devices", [("data=2,model=2", 2),  # heads over the devices of each process
-                                           ("data=1,model=2", 1)])  # heads over the two processes
-def test_two_processes_tensor_parallel_match_one_process(work, single, mesh, devices):
-    """Tensor parallelism over gloo: the same records and summary as one device. (Sampling once took ~7 s per step
-    here: the sampler's cumsum over a vocabulary split across devices; `generate.whole_vocab` gathers it.)"""
-    out = work["root"] / f"two_{mesh}"
-    _finish(_start_two(work, out, "--mesh", mesh, devices=devices))
+def test_two_processes_data_and_tensor_parallel_match_one_process(work, single):
+    """Rows over the two processes and kv heads over the two devices of each (2 devices per process, not 4: with
+    8 virtual devices on 2 cores every call ran 3x slower), over gloo: the same records and summary as one
+    device. (Sampling once took ~7 s per step here: the sampler's cumsum over a vocabulary split across devices;
+    `generate.whole_vocab` gathers it.)"""
+    out = work["root"] / "two_data=2,model=2"
+    _finish(_start_two(work, out, "--mesh", "data=2,model=2", devices=2))
     assert _records(out) == _records(single) and len(_records(out)) == len(PROBLEMS) * SAMPLES
     assert _results(out) == _results(single)
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_resume_after_a_kill(work, single):
-    """Two processes on the default mesh (every device in data), killed once the first records are on disk
-    (process 1 first, then the writer) and both restarted: the records and summary of one process. (The records
-    written before the kill and those written after are both compared, so an uninterrupted run adds nothing.)"""
+def test_heads_over_two_processes_match_one_process_and_resume_after_a_kill(work, single):
+    """Two processes of one device each, the kv heads split over them (`--mesh data=1,model=2`: every layer's
+    attention and matmuls cross the processes), killed once the first records are on disk (process 1 first, then
+    the writer) and both restarted: the records and summary of one process. (The records written before the kill
+    and those written after are both compared, so an uninterrupted run adds nothing.)"""
     total = len(PROBLEMS) * SAMPLES
     out = work["root"] / "killed"
     records = out / "records.jsonl"
-    procs = _start_two(work, out)
+    procs = _start_two(work, out, "--mesh", "data=1,model=2", devices=1)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and procs[0].poll() is None:
         if records.exists() and records.read_bytes().count(b"\n") >= 1:
@@ -124,7 +124,7 @@ def test_two_processes_match_one_process_and_resume_after_a_kill(work, single):
     assert procs[0].returncode == -signal.SIGKILL  # it was still running
     before = records.read_bytes().count(b"\n")
     assert 1 <= before < total
-    _finish(_start_two(work, out))
+    _finish(_start_two(work, out, "--mesh", "data=1,model=2", devices=1))
     assert _records(out) == _records(single)  # nothing lost, nothing twice, the same samples
     assert _results(out) == _results(single)
 

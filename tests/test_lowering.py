@@ -87,12 +87,19 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
 
 
 def _method_geometry_dtype() -> list:
-    """Every method on every geometry, in one dtype each, alternating over the methods and the geometries: each
-    geometry is lowered in both dtypes by scored and unscored methods alike, and each method in both dtypes (the
-    kernels' lowering rules see the geometry and the dtype; the method decides which kernels are called)."""
+    """Every method on two neighbouring geometries, one in each dtype: the r-th scored method (or the r-th
+    unscored one) on geometries r and r + 1 (mod their count), so that each geometry is lowered in both dtypes by
+    scored and unscored methods alike, and each method in both dtypes (the kernels' lowering rules see the
+    geometry and the dtype; the method decides which kernels are called)."""
     methods = ["full", *sorted(METHODS)]
-    return [pytest.param(m, g, ("bfloat16", "float32")[(i + j) % 2], id=f"{m}-{GEOMETRY_IDS[g]}")
-            for i, m in enumerate(methods) for j, g in enumerate(GEOMETRIES)]
+    geometries = list(GEOMETRIES)
+    params = []
+    for m in methods:
+        r = [x for x in methods if (x in SCORED) == (m in SCORED)].index(m)
+        for j in (r % len(geometries), (r + 1) % len(geometries)):
+            g = geometries[j]
+            params.append(pytest.param(m, g, ("bfloat16", "float32")[(r + j) % 2], id=f"{m}-{GEOMETRY_IDS[g]}"))
+    return params
 
 
 def test_the_lowered_combinations_cover_every_geometry_dtype_and_kernel():
