@@ -68,7 +68,7 @@ from vase_jax.eviction import framework, scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, split_kept
-from vase_jax.quant_attention import Segment, merge, segments_partials, sixteen_bit_segment
+from vase_jax.quant_attention import merge, tiered_attention
 from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
 
@@ -426,7 +426,7 @@ def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -
     [batch, kv_heads, group, head_dim] in q's dtype.
 
     The XLA path (`attention_impl` "xla", and "auto" off GPU and TPU) reads both tiers in one loop
-    (`quant_attention.segments_partials`: the 16-bit blocks, then the quantized ones, one online softmax). The
+    (`quant_attention.tiered_attention`: the 16-bit blocks, then the quantized ones, one online softmax). The
     kernels (`pallas_kernels.get_decode_partials`, `get_quant_decode_partials`: the codes unpacked in the kernel)
     read each tier on its own, merged by log-sum-exp; a setting the quantized kernels do not take
     (`_kernels_take`: a 16-bit side, groups under 16 channels) has its quantized tier read by the XLA path."""
@@ -437,9 +437,8 @@ def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -
     qlengths = jnp.where(cache.active, cache.qlength, 0)
 
     def one_loop():
-        segments = [sixteen_bit_segment(cache.k, cache.v, cache.pos, lengths),
-                    Segment(cache.kq, cache.vq, cache.qpos, qlengths)]
-        return merge([segments_partials(q, segments, block=DEFAULT_BLOCK_SIZE, layer=layer)], q.dtype)
+        return tiered_attention(q, (cache.k, cache.v, cache.pos, lengths), (cache.kq, cache.vq, cache.qpos, qlengths),
+                                block=DEFAULT_BLOCK_SIZE, layer=layer)
 
     def kernels():
         bits = dict(key_bits=cache.kq.bits, value_bits=cache.vq.bits)
