@@ -36,6 +36,7 @@ from pallas_kernels.eviction_scores import window_mass
 from pallas_kernels.eviction_scores_tpu import window_mass_tpu
 from pallas_kernels.quant_decode_attention import quant_decode_partials
 from pallas_kernels.quant_decode_attention_tpu import quant_decode_partials_tpu
+from pallas_kernels.tpu_common import pin_layout
 
 __all__ = [
     "IMPLS",
@@ -52,8 +53,10 @@ __all__ = [
     "decode_params",
     "get_decode_attention",
     "get_decode_partials",
+    "get_layout_pin",
     "get_quant_decode_partials",
     "get_window_mass",
+    "pin_layout",
     "quant_decode_partials",
     "quant_decode_partials_tpu",
     "select",
@@ -177,6 +180,17 @@ def get_quant_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
 
 
 _ROWS_HEADS = P("data", "model")  # [batch, kv_heads, ...]: q, acc, m and l
+
+
+def get_layout_pin(impl: str = "auto") -> Callable:
+    """f(x) -> x for `impl`: on TPU (and "pallas_tpu" in interpret mode) `tpu_common.pin_layout`, which holds x in
+    the layout the Mosaic kernels read; elsewhere the identity (XLA:CPU and XLA:GPU keep one layout per array)."""
+
+    def same(x):
+        return x
+
+    return select(impl, xla=same, triton=lambda _: same,
+                  tpu=lambda interpret: functools.partial(pin_layout, interpret=interpret))
 
 
 def get_window_mass(impl: str, xla: Callable, **kernel_options) -> Callable:

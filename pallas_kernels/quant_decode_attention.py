@@ -36,6 +36,9 @@ With one split the first kernel's partials are the result. Launch parameters com
 Stacked caches: with `layer`, every cache array has a leading layers axis and the kernel reads layer `layer`'s
 blocks straight from the stack (one indexer per load). `quant_decode_attention_tpu.py` is the TPU twin.
 
+The scales and lows are stored group-major ([..., groups, slots], `vase_jax.kvquant.slots_last`): a group's
+parameters of a block of slots are one contiguous load.
+
 Value parameters of slots that are not valid are zeroed before they multiply p (p = 0 there, but 0 * NaN is NaN):
 garbage in a hole's or a stale slot's scale never leaks; the codes are bytes and always finite.
 """
@@ -132,16 +135,17 @@ def check_quant_args(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, l
                              f" (pos's shape and head_dim * {bits} / 8 bytes)")
         if codes.dtype != jnp.uint8:
             raise ValueError(f"{which} codes have dtype {codes.dtype}; expected uint8 (packed codes)")
-        if scale.shape != low.shape or scale.shape[:-1] != pos.shape or scale.shape[-1] < 1:
-            raise ValueError(f"{which} scale / low have shapes {scale.shape}, {low.shape}; expected "
-                             f"{pos.shape + ('groups',)}")
-        if head_dim % scale.shape[-1]:
-            raise ValueError(f"{which}: {scale.shape[-1]} groups do not divide head_dim={head_dim}")
+        if (scale.shape != low.shape or scale.ndim != pos.ndim + 1
+                or scale.shape[:-2] + scale.shape[-1:] != pos.shape or scale.shape[-2] < 1):
+            raise ValueError(f"{which} scale / low have shapes {scale.shape}, {low.shape}; expected group-major "
+                             f"{pos.shape[:-1] + ('groups', pos.shape[-1])}")
+        if head_dim % scale.shape[-2]:
+            raise ValueError(f"{which}: {scale.shape[-2]} groups do not divide head_dim={head_dim}")
         if scale.dtype != low.dtype or not (jnp.issubdtype(scale.dtype, jnp.floating)
                                             or holds_bits_of(scale.dtype, q.dtype)):
             raise ValueError(f"{which} scale / low have dtypes {scale.dtype}, {low.dtype}; expected one float "
                              f"dtype (or the bits of a 16-bit q dtype as uint16)")
-        group_size = head_dim // scale.shape[-1]
+        group_size = head_dim // scale.shape[-2]
         width = group_size if bits == 8 else group_size // 2
         if width < min_piece or not is_power_of_2(width) or (bits == 4 and group_size % 2):
             raise ValueError(f"{which} group of {group_size} channels at {bits} bits: the kernel needs a power of "
@@ -169,11 +173,11 @@ def _quant_kernel(
     layer_ref,  # [1] int32
     q_ref,  # [rows, head_dim]: the GQA group's `group` rows, read masked up to `rows`
     k_codes_ref,  # [layers, slots, head_dim * key_bits / 8] uint8
-    k_scale_ref,  # [layers, slots, key groups]
-    k_low_ref,  # [layers, slots, key groups]
+    k_scale_ref,  # [layers, key groups, slots]
+    k_low_ref,  # [layers, key groups, slots]
     v_codes_ref,  # [layers, slots, head_dim * value_bits / 8] uint8
-    v_scale_ref,  # [layers, slots, value groups]
-    v_low_ref,  # [layers, slots, value groups]
+    v_scale_ref,  # [layers, value groups, slots]
+    v_low_ref,  # [layers, value groups, slots]
     pos_ref,  # [layers, slots] int32
     o_ref,  # [rows, head_dim] float32: this split's acc
     m_ref,  # [rows] float32
@@ -208,7 +212,7 @@ def _quant_kernel(
     offsets = jnp.arange(block_size, dtype=jnp.int32)  # [block]
 
     def params_of(ref, g, block, live, valid=None):  # [block] float32: a group's scale or low per slot
-        x = plgpu.load(ref.at[layer, block, jnp.int32(g)], mask=live, other=0)  # [block]
+        x = plgpu.load(ref.at[layer, jnp.int32(g), block], mask=live, other=0)  # [block]
         x = stored_as(x, dtype).astype(jnp.float32)  # a cache kept as bits (`holds_bits_of`)
         return x if valid is None else jnp.where(valid, x, 0.0)
 
@@ -282,8 +286,8 @@ def _quant_pallas(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, leng
     num_splits = params.num_splits
     lengths = jnp.asarray(length).astype(jnp.int32).reshape(-1)  # [1] or [batch]; clipped in the kernel
     layer = jnp.asarray(layer).astype(jnp.int32).reshape(1)  # [1]
-    key_pieces = pieces(head_dim, key_bits, head_dim // k_scale.shape[-1])
-    value_pieces = pieces(head_dim, value_bits, head_dim // v_scale.shape[-1])
+    key_pieces = pieces(head_dim, key_bits, head_dim // k_scale.shape[-2])
+    value_pieces = pieces(head_dim, value_bits, head_dim // v_scale.shape[-2])
 
     def whole(x):  # the (row, kv head) pair's slots of every layer: [layers, capacity(, last)]
         tail = x.shape[4:]
@@ -351,9 +355,10 @@ def quant_decode_partials(
       q: [batch, kv_heads, group, head_dim] (bfloat16 or float32), one query token per row, the GQA group.
       k_codes, v_codes: [batch, kv_heads, slots, head_dim * bits / 8] uint8, the packed codes
         (`vase_jax.kvquant.pack`) at `key_bits` / `value_bits` (8 or 4, static).
-      k_scale, k_low, v_scale, v_low: [batch, kv_heads, slots, head_dim / group_size] in a float dtype (or the bits
-        of q's 16-bit dtype as uint16); x_hat = code * scale + low per group. The group sizes are
-        head_dim / scale.shape[-1] (a power of two, at least 16 channels at 8 bits and 32 at 4 bits).
+      k_scale, k_low, v_scale, v_low: group-major [batch, kv_heads, head_dim / group_size, slots] in a float dtype
+        (or the bits of q's 16-bit dtype as uint16; `vase_jax.kvquant.slots_last`); x_hat = code * scale + low per
+        group. The group sizes are head_dim / scale.shape[-2] (a power of two, at least 16 channels at 8 bits and
+        32 at 4 bits).
       pos: [batch, kv_heads, slots] int32, -1 marks an empty slot.
       length: int32, slots in use: a scalar for every row or [batch] one per row; a row's slots >= its length are
         never read.

@@ -12,7 +12,8 @@ no slot is valid), to be merged with the 16-bit tier's partials by log-sum-exp (
 Layout (the TPU's (8, 128) vector tiles): slots on the sublane axis of the code blocks, channels on lanes, as K
 and V in `decode_attention_tpu.py`; the logits [rows, block] have the slots on lanes. The scales and lows are
 read group-major, [groups, block] (slots on lanes, like `pos`), so the kernel folds them into the products as
-`vase_jax.quant_attention` does, without a dequantized block and without a transpose:
+`vase_jax.quant_attention` does, without a dequantized block and without a transpose (the cache stores them so,
+`vase_jax.kvquant.slots_last`):
 
     s[r, j]   = scale * sum_G ( k_scale[G, j] (q_G[r] . k_code_j) + k_low[G, j] qsum_G[r] )
     acc[r, c] += sum_j (p[r, j] v_scale[G(c), j]) v_code_j[c] + sum_j p[r, j] v_low[G(c), j]
@@ -20,10 +21,7 @@ read group-major, [groups, block] (slots on lanes, like `pos`), so the kernel fo
 where q_G is q with the channels outside group G zeroed (made outside the kernel, a few rows), so each group's
 key product is a full-width MXU product, and each value group's product is selected onto its channels' lanes by
 a lane iota (a few extra MXU passes for a tiny `rows`; decode is bound by the bytes read). The codes are exact in
-q's dtype; products accumulate in float32 (float32: full-precision passes). The group-major view is
-`swapaxes(scale, -1, -2)` of the cache's [..., slots, groups] array: with one group (the 8-bit default, g = 128)
-that is a free reshape; with several, XLA:TPU copies the scale and low arrays into that layout before the kernel
-unless the cache keeps them group-major (tests/test_aot_kernels.py records it).
+q's dtype; products accumulate in float32 (float32: full-precision passes).
 
 4-bit codes: a byte holds the even channel of a pair in its low nibble and the odd one in its high nibble. The
 kernel keeps the two nibble planes apart ([block, head_dim / 2] each: all even channels, all odd channels), so no
@@ -184,7 +182,7 @@ def _quant_tpu(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length,
     rows = sublane_multiple(group, q.dtype)
     key_planes, value_planes = planes(key_bits), planes(value_bits)
     key_width, value_width = head_dim // key_planes, head_dim // value_planes
-    key_groups = k_scale.shape[-1]
+    key_groups = k_scale.shape[-2]
     q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [batch, kv_heads, rows, head_dim]
     # [batch, kv_heads, key planes, rows, key width]: plane n holds channels n, n + planes, ... (4 bits: even, odd)
     q_planes = q_rows.reshape(batch, kv_heads, rows, key_width, key_planes).transpose(0, 1, 4, 2, 3)
@@ -192,10 +190,6 @@ def _quant_tpu(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length,
     lane_group = jnp.arange(key_width) // (key_width // key_groups)  # [key width]
     q_groups = jnp.stack([jnp.where(lane_group == g, q_planes, 0) for g in range(key_groups)], axis=2)
 
-    def by_group(x):  # [layers, batch, kv_heads, slots, G] -> [layers, batch, kv_heads, G, slots]: slots on lanes
-        return jnp.swapaxes(x, 3, 4)
-
-    k_scale, k_low, v_scale, v_low = (by_group(x) for x in (k_scale, k_low, v_scale, v_low))
     pos5 = pos.astype(jnp.int32).reshape(layers, batch, kv_heads, 1, capacity)  # [layers, batch, kv_heads, 1, cap]
     scalars = jnp.concatenate(
         [row_lengths(length, batch, capacity), jnp.asarray(layer, jnp.int32).reshape(1)]

@@ -48,14 +48,16 @@ def _reachable(comps: dict[str, list[str]], roots: set[str], follow_branches: bo
     return seen
 
 
-def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
+def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False, ticks: tuple[str, ...] = ()) -> list[str]:
     """Copy instructions reachable from any while-loop body whose dims (a tuple of ints) pass `shape_filter`.
     Loops under a `prefill` named scope (its scan over layers) run once per call and are not counted.
 
     With `follow_branches=False`, computations reached only through a `conditional`, or through the eviction's loop
     over layers (named scope `eviction`, which runs once every `buffer` steps), are not counted as per-step work.
+    `ticks`: named scopes (say "/retier/") of further loops whose bodies run only at a tick (zero times at the other
+    steps), not counted either way.
     """
-    return _per_step(hlo, _COPY, shape_filter, follow_branches)
+    return _per_step(hlo, _COPY, shape_filter, follow_branches, ticks)
 
 
 def per_step_slices(hlo: str, shape_filter, follow_branches: bool = False) -> list[str]:
@@ -75,8 +77,11 @@ def dims_of(line: str) -> tuple[int, ...]:
     return tuple(int(d) for d in m.group(2).split(",") if d)
 
 
-def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool) -> list[str]:
+def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool, ticks: tuple[str, ...] = ()
+              ) -> list[str]:
     comps = computations(hlo)
+    tick_bodies = {m for lines in comps.values() for line in lines if " while(" in line
+                   and any(scope in line for scope in ticks) for m in re.findall(r"body=%?([\w.\-]+)", line)}
     bodies = {m for lines in comps.values() for line in lines if "/prefill/" not in line  # runs once per call
               for m in re.findall(r"body=%?([\w.\-]+)", line)}
     if not follow_branches:  # what runs per eviction event, not per step: conditionals' branches and the eviction
@@ -90,6 +95,7 @@ def _per_step(hlo: str, pattern: re.Pattern, shape_filter, follow_branches: bool
     seen = _reachable(comps, bodies, follow_branches)
     if not follow_branches:
         seen -= _reachable(comps, evictions)
+    seen -= _reachable(comps, tick_bodies)
     found = []
     for name in seen:
         for line in comps[name]:

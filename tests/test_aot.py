@@ -67,7 +67,7 @@ def test_device_program_reads_weights_in_place_and_holds_the_cache_once(target, 
 def test_h200_mixed_precision_program_holds_its_smaller_cache_once():
     """The mixed-precision cache (K4V4, vase_attnv's Nv slots in 16 bits) on an H200: no copy of any of its arrays
     (its ticks rewrite each layer in place), no weight sliced, and temporaries within the 16-bit program's bound
-    for its own, smaller cache. (XLA:TPU relayouts the quantized arrays: docs/DESIGN.md.)"""
+    for its own, smaller cache. (On a TPU: the next test.)"""
     reason = aot.missing("h200")
     if reason:
         pytest.skip(reason)
@@ -77,6 +77,28 @@ def test_h200_mixed_precision_program_holds_its_smaller_cache_once():
     assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
     assert report.cache < 0.6 * _report("h200", "vase_attnv").cache
     assert report.temporaries <= 1.1 * (report.cache + report.one_layer)
+
+
+def test_v5p_mixed_precision_decode_loop_copies_no_stack_per_step():
+    """K4V4 on a TPU v5p (4-bit codes [.., slots, 64] and two groups of scales per token: the arrays XLA:TPU lays
+    out in more than one way): no instruction run at every decode step copies a stack of the cache. The quantized
+    tier stores its scales group-major (slots on lanes) and the ticks' loops pin its stacks to the kernels' layout
+    (`tiers.pinned`); before, XLA copied 16 whole stacks around those loops at every step (docs/BENCHMARKS.md). The
+    ticks' own loops over layers (named scope "retier", run at a tick) relayout the layer they read inside their
+    fusions, and the prefill's loop once per call; those are not per-step work."""
+    from hlo_utils import per_step_copies
+
+    reason = aot.missing("v5p")
+    if reason:
+        pytest.skip(reason)
+    compiled, report = aot.compile_generate("v5p", CFG, batch=16, eviction=METHODS["vase_attnv"], prompt_len=128,
+                                            max_new_tokens=4096, kv_bits="K4V4")
+    lead = (CFG.num_layers, 16, CFG.num_kv_heads)
+    copies = per_step_copies(compiled.as_text(), lambda dims: dims[:3] == lead, follow_branches=True,
+                             ticks=("/retier/",))
+    assert copies == [], "\n".join(copies[:5])
+    assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
+    print(f"v5p K4V4: temporaries {report.temporaries / 2**30:.3f} GiB, cache {report.cache / 2**30:.3f} GiB")
 
 
 def test_the_checks_see_copies():

@@ -144,11 +144,15 @@ def _compile_partials(target: str, kind: str, *, batch: int = 16, kv_heads: int 
         fn = quant_decode_partials if target == "h200" else quant_decode_partials_tpu
         cache, stacked = [], set()
         for bits, size in ((key_bits, key_group), (value_bits, value_group)):
-            parts = [slots + (head_dim * bits // 8,), slots + (head_dim // size,), slots + (head_dim // size,)]
+            groups = slots[:3] + (head_dim // size, capacity)  # the scales group-major, as the cache stores them
+            parts = [slots + (head_dim * bits // 8,), groups, groups]
             cache += [arg(parts[0], jnp.uint8), arg(parts[1], dtype), arg(parts[2], dtype)]
-            # XLA:TPU keeps arrays whose minor dim is under 128 lanes (the scales, 4-bit codes) in a compact layout
-            # and copies them into the kernel's tiled one at every call (TPU_RELAYOUTS); checked on the H200 only
-            stacked |= set(parts) if target == "h200" else {parts[0]} if bits == 8 else set()
+            # XLA:TPU gives some arguments a compact layout of its own and copies them into the kernel's at the call
+            # (TPU_RELAYOUTS): checked in place on the H200, and on the TPU for the others
+            if target == "h200":
+                stacked |= set(parts)
+            else:
+                stacked |= ({parts[0]} if bits == 8 else set()) | (set(parts[1:]) if head_dim // size > 1 else set())
 
         def attend(q, kc, ks, kl, vc, vs, vl, pos, length, layer):
             return fn(q, kc, ks, kl, vc, vs, vl, pos, length, key_bits=key_bits, value_bits=value_bits, layer=layer,
@@ -187,11 +191,12 @@ def test_16bit_partials_compile_h200(num_splits):
     assert ("vase_decode_attention_merge_partials" in text) == (num_splits > 1)
 
 
-# Known, not fixed here: on the TPU the quantized tier's arrays with fewer than 128 lanes per slot, the scale and
-# low [..., slots, groups] and 4-bit codes [..., slots, 64], are copied into the Mosaic kernel's tiled layout at
-# every call (XLA:TPU lays them out compactly). A TPU cache should keep them lane-dense (e.g. scales group-major
-# [..., groups, slots]); the 8-bit codes, pos and the 16-bit tier are read in place.
-TPU_RELAYOUTS = "scale, low, 4-bit codes"
+# On the TPU, a program whose arguments are the kernel's arrays (this file's) gets 4-bit codes [..., slots, 64] and
+# one-group scales [..., 1, slots] in XLA:TPU's own compact layouts, copied into the Mosaic kernel's at the call.
+# Inside `generate` the cache never crosses an argument boundary, and the ticks' loops pin its stacks to the
+# kernels' layout (`tiers.pinned`; tests/test_aot.py checks that no step copies a stack). The 8-bit codes,
+# group-major scales of several groups, pos and the 16-bit tier are read in place here too.
+TPU_RELAYOUTS = "4-bit codes, one-group scales (at an argument boundary)"
 
 
 @pytest.mark.parametrize("kind", ["K8V8", "K8V4", "K4V4", "K4V4g32", "16-bit"])

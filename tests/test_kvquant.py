@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vase_jax.analysis.quant import hqq_quantize, rtn_quantize
-from vase_jax.kvquant import KVBits, dequantize, pack, quantize, token_bytes, unpack
+from vase_jax.kvquant import KVBits, dequantize, pack, quantize, slots_last, token_bytes, unpack
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -89,11 +89,13 @@ def test_folded_scales_equal_attention_on_the_dequantized_cache(bits, group):
     v = quantize(jax.random.normal(kv, (b, h, slots, d), jnp.float32) * 2, bits, group, scale_dtype=jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, h, slots)).at[:, 1, 7].set(-1)  # an empty slot
     length = 70  # past one block of 64, inside the second
-    out = merge([quantized_partials(q, k, v, pos, jnp.int32(length), block=64)], jnp.float32)
+    stored_k, stored_v = slots_last(k), slots_last(v)  # as a cache segment holds them: scales group-major
+    out = merge([quantized_partials(q, stored_k, stored_v, pos, jnp.int32(length), block=64)], jnp.float32)
     want = decode_attention_reference(q, dequantize(k), dequantize(v), pos, length, block_size=64)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     # per-row lengths: row 1 holds 0 slots (output 0), row 0 its 70
-    out = merge([quantized_partials(q, k, v, pos, jnp.array([length, 0], jnp.int32), block=64)], jnp.float32)
+    out = merge([quantized_partials(q, stored_k, stored_v, pos, jnp.array([length, 0], jnp.int32), block=64)],
+                jnp.float32)
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(out[1]) == 0)
 
@@ -110,8 +112,9 @@ def test_merge_of_two_segments_is_attention_over_their_union():
     k, v = quantize(kx, 8, 64, scale_dtype=jnp.float32), quantize(vx, 8, 64, scale_dtype=jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32), (b, h, 48))
     # slots [0, 20) in one segment and [20, 48) in another (their pos -1 in the other)
-    first = quantized_partials(q, k, v, jnp.where(pos < 20, pos, -1), jnp.int32(48), block=16)
-    second = quantized_partials(q, k, v, jnp.where(pos >= 20, pos, -1), jnp.int32(48), block=16)
+    sk, sv = slots_last(k), slots_last(v)
+    first = quantized_partials(q, sk, sv, jnp.where(pos < 20, pos, -1), jnp.int32(48), block=16)
+    second = quantized_partials(q, sk, sv, jnp.where(pos >= 20, pos, -1), jnp.int32(48), block=16)
     want = decode_attention_reference(q, dequantize(k), dequantize(v), pos, 48, block_size=16)
     np.testing.assert_allclose(np.asarray(merge([first, second], jnp.float32)), np.asarray(want), rtol=2e-5,
                                atol=2e-5)
@@ -131,10 +134,10 @@ def test_one_loop_over_both_tiers_equals_their_merged_partials(bits, group):
     q = jax.random.normal(keys[0], (b, h, g, d), jnp.bfloat16)
     k16 = jax.random.normal(keys[1], (layers, b, h, full_slots, d), jnp.bfloat16)
     v16 = jax.random.normal(keys[2], (layers, b, h, full_slots, d), jnp.bfloat16)
-    kq = quantize(jax.random.normal(keys[3], (layers, b, h, quant_slots, d)), bits, group or d,
-                  scale_dtype=jnp.bfloat16)
-    vq = quantize(jax.random.normal(keys[4], (layers, b, h, quant_slots, d)) * 3, bits, group or d,
-                  scale_dtype=jnp.bfloat16)
+    kq = slots_last(quantize(jax.random.normal(keys[3], (layers, b, h, quant_slots, d)), bits, group or d,
+                             scale_dtype=jnp.bfloat16))
+    vq = slots_last(quantize(jax.random.normal(keys[4], (layers, b, h, quant_slots, d)) * 3, bits, group or d,
+                             scale_dtype=jnp.bfloat16))
     pos16 = jnp.broadcast_to(jnp.arange(full_slots, dtype=jnp.int32), (layers, b, h, full_slots))
     posq = jnp.broadcast_to(jnp.arange(quant_slots, dtype=jnp.int32), (layers, b, h, quant_slots))
     posq = posq.at[:, :, 1, 5].set(-1)  # an empty slot
@@ -228,7 +231,7 @@ def test_every_slot_protected_equals_the_16_bit_cache_bit_for_bit(dtype):
     v = jax.random.normal(keys[2], (b, h, slots, d), dtype)
     pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (b, h, slots))
     length = jnp.array([90, 33], jnp.int32)
-    empty = quantize(jnp.zeros((b, h, 16, d), jnp.float32), 8, 128)  # a quantized tier holding nothing
+    empty = slots_last(quantize(jnp.zeros((b, h, 16, d), jnp.float32), 8, 128))  # a quantized tier holding nothing
     none_pos = jnp.full((b, h, 16), -1, jnp.int32)
     want = decode_attention_reference(q, k, v, pos, length)
     for quant in (None, (empty, empty, none_pos, jnp.zeros((b,), jnp.int32))):
@@ -262,8 +265,9 @@ def test_8_bit_quantized_tier_error_within_1e_2():
     errors = {}
     for bits in (8, 4):
         full = (take(k, hi), take(v, hi), take(pos, hi), protected)
-        quant = (quantize(take(k, lo), bits, 128 if bits == 8 else 64), quantize(take(v, lo), bits,
-                 128 if bits == 8 else 64), take(pos, lo), jnp.full((b,), slots - protected, jnp.int32))
+        group = 128 if bits == 8 else 64
+        quant = (slots_last(quantize(take(k, lo), bits, group)), slots_last(quantize(take(v, lo), bits, group)),
+                 take(pos, lo), jnp.full((b,), slots - protected, jnp.int32))
         got = tiered_attention(q, full, quant)
         errors[bits] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert errors[8] <= 1e-2 and errors[4] > errors[8], errors

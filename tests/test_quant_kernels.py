@@ -26,7 +26,7 @@ from pallas_kernels.decode_attention import (
 from pallas_kernels.decode_attention_tpu import decode_attention_partials_tpu
 from pallas_kernels.quant_decode_attention import quant_decode_partials
 from pallas_kernels.quant_decode_attention_tpu import quant_decode_partials_tpu
-from vase_jax.kvquant import Quantized, dequantize, quantize
+from vase_jax.kvquant import Quantized, dequantize, quantize, slots_first, slots_last
 from vase_jax.quant_attention import merge, quantized_partials
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -41,7 +41,8 @@ def _bits(x):
 
 
 def _quant_cache(seed, slots, key_bits, value_bits, key_group, value_group, dtype):
-    """q [b, h, group, D] and a quantized segment stacked over LAYERS: (k, v) as `Quantized` [L, b, h, slots, .],
+    """q [b, h, group, D] and a quantized segment stacked over LAYERS: (k, v) as `Quantized` [L, b, h, slots, .]
+    as a cache stores it (`slots_last`: scale and low group-major [L, b, h, groups, slots]),
     pos [L, b, h, slots] with holes (-1); slots past a row's length hold valid-looking positions."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, GROUP, HEAD_DIM)), dtype)
@@ -49,8 +50,8 @@ def _quant_cache(seed, slots, key_bits, value_bits, key_group, value_group, dtyp
     k = jnp.asarray(rng.normal(size=shape) * 1.5, jnp.float32)
     v = jnp.asarray(rng.normal(size=shape), jnp.float32)
     pos = np.where(rng.random(shape[:4]) < 0.2, -1, np.arange(slots)).astype(np.int32)
-    kq = quantize(k, key_bits, key_group, scale_dtype=dtype)
-    vq = quantize(v, value_bits, value_group, scale_dtype=dtype)
+    kq = slots_last(quantize(k, key_bits, key_group, scale_dtype=dtype))
+    vq = slots_last(quantize(v, value_bits, value_group, scale_dtype=dtype))
     return q, kq, vq, jnp.asarray(pos)
 
 
@@ -164,8 +165,8 @@ def test_tiers_merged_equal_attention_over_the_dequantized_cache(impl):
         return merge(parts, q.dtype)
 
     layer = 1
-    k_cat = jnp.concatenate([k16[layer], dequantize(_layer(kq, layer))], axis=2)  # [b, h, full + quant, D]
-    v_cat = jnp.concatenate([v16[layer], dequantize(_layer(vq, layer))], axis=2)
+    k_cat = jnp.concatenate([k16[layer], dequantize(slots_first(_layer(kq, layer)))], axis=2)  # [b, h, full + q, D]
+    v_cat = jnp.concatenate([v16[layer], dequantize(slots_first(_layer(vq, layer)))], axis=2)
     in_use = [np.arange(n)[None, None, :] < np.asarray(lens)[:, None, None]  # [b, 1, slots] each
               for n, lens in ((full_slots, full_len), (quant_slots, quant_len))]
     pos_cat = jnp.concatenate([jnp.where(in_use[0], full_pos[layer], -1), jnp.where(in_use[1], quant_pos[layer], -1)],
@@ -184,7 +185,11 @@ def test_rejects_bad_arguments():
         quant_decode_partials(q, *arrays, pos, 10, key_bits=3, value_bits=4, interpret=True)
     with pytest.raises(ValueError, match="key codes have shape"):
         quant_decode_partials(q, *arrays, pos, 10, key_bits=8, value_bits=4, interpret=True)
-    small = quantize(dequantize(kq), 4, 16)  # 8 channels per nibble half: under the Triton dot's 16
+    with pytest.raises(ValueError, match="key scale / low have shapes .* expected group-major"):
+        token_major = slots_first(kq)  # scales [b, h, slots, groups]: not how a cache stores them
+        quant_decode_partials(q, token_major.codes, token_major.scale, token_major.low, *arrays[3:], pos, 10,
+                              key_bits=4, value_bits=4, interpret=True)
+    small = slots_last(quantize(dequantize(slots_first(kq)), 4, 16))  # 8 channels per nibble half: under 16
     with pytest.raises(ValueError, match="group of 16 channels at 4 bits"):
         quant_decode_partials(q, small.codes, small.scale, small.low, *arrays[3:], pos, 10, key_bits=4,
                               value_bits=4, interpret=True)

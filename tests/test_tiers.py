@@ -16,7 +16,7 @@ from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, decode_step, generate, lower_generate, prefill
 from vase_jax.kvquant import KVBits
 from vase_jax.random_model import TINY, random_model
-from vase_jax.tiers import init_tiered_cache, retier, tier_layout
+from vase_jax.tiers import init_tiered_cache, retier, rows_due, tier_layout
 
 B = 16  # the buffer (tick period) of these tests
 
@@ -55,9 +55,9 @@ def _positions(c, layer, row, head):
     p16 = c.pos[layer, row, head]
     pq = c.qpos[layer, row, head]
     codes = {}
-    for i in np.flatnonzero(pq >= 0):
-        codes[int(pq[i])] = tuple(np.asarray(x[layer, row, head, i]).tobytes() for x in
-                                  (c.kq.codes, c.kq.scale, c.kq.low, c.vq.codes, c.vq.scale, c.vq.low))
+    for i in np.flatnonzero(pq >= 0):  # codes [.., slots, bytes]; scale and low group-major [.., groups, slots]
+        codes[int(pq[i])] = tuple(np.asarray(x[layer, row, head, i]).tobytes() for x in (c.kq.codes, c.vq.codes)) + \
+            tuple(np.asarray(x[layer, row, head, :, i]).tobytes() for x in (c.kq.scale, c.kq.low, c.vq.scale, c.vq.low))
     return set(p16[p16 >= 0].tolist()), set(pq[pq >= 0].tolist()), codes
 
 
@@ -274,3 +274,20 @@ def test_kernels_read_both_tiers_as_the_xla_path(tiny, impl):
         want = decode_attention(q, cache, layer, "xla")
         got = decode_attention(q, cache, layer, impl)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ticks_pinned_for_a_tpu_rewrite_the_tiers_as_without_pins(tiny):
+    """A tick lowered for the TPU kernels ("pallas_tpu": the layout pins of `tiers.pinned` run, as the no-op Mosaic
+    call in interpret mode, at the start and end of each loop body over layers) leaves the cache exactly as the XLA
+    path's tick: the pins move nothing. Row 0 is due (its 80th token), row 1 is not."""
+    kv_bits = KVBits(4, 4, 16, 16)  # two groups of scales per token: the layout XLA:TPU copied
+    for eviction in (EvictionConfig("full", buffer=B), EvictionConfig("vase_attnv", budget=48, buffer=B)):
+        _, snaps = _trace(tiny, eviction, kv_bits, None, B - 1)
+        cache = jax.tree.map(jnp.asarray, snaps[-1])
+        _, cache = decode_step(tiny, cache, jnp.zeros((2,), jnp.int32), "xla")
+        assert np.asarray(rows_due(cache)).tolist() == [True, False]
+        tick = jax.jit(retier, static_argnums=(1, 4))
+        ticks = {impl: tick(cache, eviction, jax.random.key(1), jnp.arange(2), impl) for impl in ("xla", "pallas_tpu")}
+        for want, got in zip(jax.tree.leaves(ticks["xla"]), jax.tree.leaves(ticks["pallas_tpu"]), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert int(ticks["xla"].evictions[0]) == int(eviction.evicts)

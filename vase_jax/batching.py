@@ -171,7 +171,8 @@ def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sam
 
 
 # The arrays of a mixed-precision cache's quantized tier (`vase_jax.tiers`) beyond `CACHE_AXES`: batch axis 1 and
-# slot axis 3 (quantized slots, or the virtual slots of `value_range`), except `qlength` [batch].
+# slot axis 3 (quantized slots, or the virtual slots of `value_range`; 4 in the group-major scale and low), except
+# `qlength` [batch].
 TIER_FIELDS = ("kq", "vq", "qpos", "value_range")
 
 
@@ -193,13 +194,16 @@ def _one_row(staged: KVCache, j, like: KVCache) -> KVCache:
 
     fields = {name: take(getattr(staged, name), name, axes) for name, axes in CACHE_AXES.items()}
     if staged.tiers is not None:  # the quantized tier and the virtual slots' arrays, padded at their ends
-        def tier(x, size, fill):
-            return pad_to(jax.lax.dynamic_slice_in_dim(x, j, 1, 1), 3, size, fill)
+        def tier(x, size, fill, slot_axis=3):
+            return pad_to(jax.lax.dynamic_slice_in_dim(x, j, 1, 1), slot_axis, size, fill)
+
+        def quantized(x, y):  # codes [.., slots, bytes]; scale and low group-major [.., groups, slots]
+            return x.replace(codes=tier(x.codes, y.codes.shape[3], 0), scale=tier(x.scale, y.scale.shape[4], 0, 4),
+                             low=tier(x.low, y.low.shape[4], 0, 4))
 
         virtual = like.value_range.shape[3]
         fields |= dict(
-            kq=jax.tree.map(lambda x, y: tier(x, y.shape[3], 0), staged.kq, like.kq),
-            vq=jax.tree.map(lambda x, y: tier(x, y.shape[3], 0), staged.vq, like.vq),
+            kq=quantized(staged.kq, like.kq), vq=quantized(staged.vq, like.vq),
             qpos=tier(staged.qpos, like.qpos.shape[3], -1), value_range=tier(staged.value_range, virtual, 0),
             qlength=jax.lax.dynamic_slice_in_dim(staged.qlength, j, 1), tiers=like.tiers)
         state = {name: tier(x, virtual, 0) for name, x in staged.state.items()}

@@ -103,8 +103,10 @@ class KVCache:
     # The quantized tier of a mixed-precision cache (`vase_jax.tiers`; None otherwise): `k`, `v`, `pos` then hold
     # the 16-bit tier's slots and these the quantized tier's; `state` and `value_range` run over both tiers (the
     # virtual slots: the 16-bit tier's first).
-    kq: Any = None  # `kvquant.Quantized` [layers, batch, kv_heads, quant_slots, ...]
-    vq: Any = None  # `kvquant.Quantized` [layers, batch, kv_heads, quant_slots, ...]
+    # `kvquant.Quantized` as stored (`kvquant.slots_last`): codes [layers, batch, kv_heads, quant_slots, bytes],
+    # scale and low [layers, batch, kv_heads, groups, quant_slots]
+    kq: Any = None
+    vq: Any = None
     qpos: jax.Array | None = None  # [layers, batch, kv_heads, quant_slots] int32, -1 = empty
     qlength: jax.Array | None = None  # [batch] int32: quantized slots in use
     value_range: jax.Array | None = None  # [layers, batch, kv_heads, virtual slots] f32: Range(v) at write

@@ -155,6 +155,18 @@ def quantize(x: jax.Array, bits: int, group: int | None, *, refine: bool = False
     return Quantized(pack(q.reshape(x.shape), bits), scale, low, bits)
 
 
+def slots_last(qx: Quantized) -> Quantized:
+    """`qx` [..., slots, ...] as a cache segment stores it: `scale` and `low` group-major [..., groups, slots] (the
+    slots on the lanes of a TPU tile and contiguous per group: a group's parameters of a block of slots are one
+    row, read by the kernels as they are); `codes` unchanged [..., slots, bytes]. Undone by `slots_first`."""
+    return qx.replace(scale=jnp.swapaxes(qx.scale, -1, -2), low=jnp.swapaxes(qx.low, -1, -2))
+
+
+def slots_first(qx: Quantized) -> Quantized:
+    """A stored segment (`slots_last`) back to tokens: `scale` and `low` [..., slots, groups]."""
+    return slots_last(qx)  # the swap is its own inverse
+
+
 def dequantize(qx: Quantized, dtype=jnp.float32) -> jax.Array:
     """x_hat [..., D] = code * scale + low per group, computed in float32, returned in `dtype`."""
     if qx.bits == 16:

@@ -35,13 +35,17 @@ _NEG = -1e30  # a finite start for the running max: exp(m_old - m_new) never see
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _block(a: jax.Array, start, block: int, layer) -> jax.Array:
-    """Slots [start, start + block) of a [(layers,) batch, kv_heads, slots, ...] array (layer `layer` when
-    stacked, sliced straight from the stack): [batch, kv_heads, block, ...]."""
+def _block(a: jax.Array, start, block: int, layer, axis: int = 2) -> jax.Array:
+    """Slots [start, start + block) of a [(layers,) batch, kv_heads, ...] array whose slots are on `axis` (of one
+    layer; 2: [.., slots, ...], 3: a group-major [.., groups, slots]), layer `layer` when stacked, sliced straight
+    from the stack: [batch, kv_heads, ...] with `block` slots."""
     if layer is None:
-        return lax.dynamic_slice_in_dim(a, start, block, axis=2)
-    starts = (layer, 0, 0, start) + (0,) * (a.ndim - 4)
-    return lax.dynamic_slice(a, starts, (1, *a.shape[1:3], block, *a.shape[4:]))[0]
+        return lax.dynamic_slice_in_dim(a, start, block, axis=axis)
+    starts = [0] * a.ndim
+    starts[0], starts[axis + 1] = layer, start
+    sizes = list(a.shape)
+    sizes[0], sizes[axis + 1] = 1, block
+    return lax.dynamic_slice(a, starts, sizes)[0]
 
 
 def _values16(x: Quantized, start, block: int, layer, dtype) -> jax.Array:
@@ -54,9 +58,10 @@ def _planes(x: Quantized, start, block: int, layer, dtype) -> tuple[list[jax.Arr
     """Slots [start, start + block) of a quantized segment (`_block`) as channel planes: codes as float32
     [b, h, block, G, g / n] per plane, scale and low [b, h, block, G]. 8 bits: one plane of every channel;
     4 bits: two, the low nibbles (the even channels) and the high nibbles (the odd ones), so the codes are never
-    interleaved (q is split once per call, and a block's output [b, h, group, D] is joined)."""
-    scale = _floats(_block(x.scale, start, block, layer), dtype)  # [b, h, block, G]
-    low = _floats(_block(x.low, start, block, layer), dtype)
+    interleaved (q is split once per call, and a block's output [b, h, group, D] is joined). The stored scale and
+    low are group-major (`kvquant.slots_last`); a block's are turned to [b, h, block, G] (inside the fusion)."""
+    scale = jnp.swapaxes(_floats(_block(x.scale, start, block, layer, axis=3), dtype), 2, 3)  # [b, h, block, G]
+    low = jnp.swapaxes(_floats(_block(x.low, start, block, layer, axis=3), dtype), 2, 3)
     codes = _block(x.codes, start, block, layer)  # [b, h, block, D * bits / 8] uint8
     lead = codes.shape[:3] + (scale.shape[-1], -1)
     if x.bits == 8:
@@ -85,9 +90,10 @@ def _join_channels(planes: list[jax.Array]) -> jax.Array:
 
 
 class Segment(NamedTuple):
-    """One segment of a cache: keys and values as `Quantized` [(layers,) batch, kv_heads, slots, ...] (a 16-bit
-    side: `bits` 16, its values or their bits as `codes`), pos [(layers,) batch, kv_heads, slots] (-1: empty) and
-    length [batch] (slots in use per row)."""
+    """One segment of a cache: keys and values as `Quantized` as a cache stores them (`kvquant.slots_last`:
+    codes [(layers,) batch, kv_heads, slots, bytes], scale and low [(layers,) batch, kv_heads, groups, slots]; a
+    16-bit side: `bits` 16, its values or their bits as `codes`), pos [(layers,) batch, kv_heads, slots] (-1:
+    empty) and length [batch] (slots in use per row)."""
 
     k: Quantized
     v: Quantized
@@ -138,7 +144,7 @@ def _block_values(p, v: Quantized, valid, start, block: int, layer, dtype):
 def sixteen_bit_segment(k: jax.Array, v: jax.Array, pos: jax.Array, length) -> Segment:
     """A segment of 16-bit (or float32) keys and values (their values, or their bits) [(layers,) batch,
     kv_heads, slots, head_dim], as `Segment` (`bits` 16, no scales)."""
-    none = jnp.zeros((0,), jnp.float32)  # no scale, no low
+    none = jnp.zeros((0, 0), jnp.float32)  # no scale, no low
     return Segment(Quantized(k, none, none, 16), Quantized(v, none, none, 16), pos, length)
 
 
@@ -162,7 +168,7 @@ def segments_partials(q: jax.Array, segments: Sequence[Segment], *, block: int =
         length = jnp.broadcast_to(jnp.clip(jnp.asarray(seg.length, jnp.int32), 0, slots), (batch,))  # [b]
         first, end = end, end + (length.max() + blk - 1) // blk  # the segment's blocks: [first, end)
         ends.append(end)
-        kg = max(seg.k.scale.shape[-1], 1)  # key groups (a 16-bit side: one)
+        kg = seg.k.scale.shape[-2] if seg.k.bits < 16 else 1  # key groups (a 16-bit side: one)
         query = (qf, _split_channels(qf, seg.k.bits, kg), qf.reshape(batch, kv_heads, group, kg, -1).sum(-1))
 
         def update(i, carry, seg=seg, blk=blk, length=length, first=first, query=query, slots=slots):
@@ -201,7 +207,7 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
                        block: int = 64, scale: float | None = None, layer: jax.Array | int | None = None):
     """Online-softmax partials of q against one quantized segment (`segments_partials` of that segment).
 
-    q [batch, kv_heads, group, head_dim]; k, v: `Quantized` [batch, kv_heads, slots, ...]; pos [batch, kv_heads,
+    q [batch, kv_heads, group, head_dim]; k, v: `Quantized` as stored (`Segment`); pos [batch, kv_heads,
     slots] (-1: empty); length [batch] (slots in use per row; slots >= length[b] are masked, and blocks past the
     longest row are never read). `layer`: k, v and pos are stacked over layers ([layers, batch, ...]) and that
     layer is read, a block at a time, straight from the stack. Returns acc [b, h, group, head_dim], m and l
@@ -222,7 +228,8 @@ def merge(parts, dtype) -> jax.Array:
 def tiered_attention(q: jax.Array, full: tuple, quant: tuple | None, *, block: int = 64,
                      layer: jax.Array | int | None = None) -> jax.Array:
     """Decode attention over a cache in two tiers (the XLA path): `full` = (k, v, pos, length) in 16 bits (or
-    float32; their values or their bits) and `quant` = (k, v, pos, length) quantized (`Quantized`), or None; both
+    float32; their values or their bits) and `quant` = (k, v, pos, length) quantized (`Quantized` as stored,
+    `Segment`), or None; both
     stacked over layers when `layer` is given. One loop over the 16-bit blocks, then the quantized ones
     (`segments_partials`): no second loop and no merge. With no quantized slot the output is exactly
     `decode_attention_reference`'s on the 16-bit tier. q [batch, kv_heads, group, head_dim]."""

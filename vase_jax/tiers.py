@@ -41,11 +41,12 @@ dequantized keys and values, one layer at a time, and Range from `value_range`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import get_decode_partials, get_quant_decode_partials, select
+from pallas_kernels import get_decode_partials, get_layout_pin, get_quant_decode_partials, select
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     KVCache,
@@ -67,7 +68,7 @@ from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework, scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
-from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, split_kept
+from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, slots_first, slots_last, split_kept
 from vase_jax.quant_attention import merge, tiered_attention
 from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
@@ -179,8 +180,9 @@ def init_tiered_cache(cfg: Qwen3Config, batch: int, tiers: TierLayout, window: i
     lead = (cfg.num_layers, batch, cfg.num_kv_heads, tiers.quant_slots)
     zeros = jnp.zeros(lead + (cfg.head_dim,), dtype)
     bits_storage = cache.k.dtype == jnp.uint16
-    kq = jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "key", dtype, bits_storage))
-    vq = jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "value", dtype, bits_storage))
+    # stored with the scales group-major (`kvquant.slots_last`)
+    kq = slots_last(jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "key", dtype, bits_storage)))
+    vq = slots_last(jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "value", dtype, bits_storage)))
     virtual = lead[:3] + (tiers.virtual_slots,)
     return cache.replace(
         kq=kq, vq=vq, qpos=jnp.full(lead, -1, jnp.int32), qlength=jnp.zeros((batch,), jnp.int32),
@@ -189,7 +191,8 @@ def init_tiered_cache(cfg: Qwen3Config, batch: int, tiers: TierLayout, window: i
 
 
 def _layer_quantized(x: Quantized, layer) -> Quantized:
-    return jax.tree.map(lambda a: layer_of(a, layer), x)
+    """One layer of a stored quantized tier as tokens: codes [b, h, Q, bytes], scale and low [b, h, Q, groups]."""
+    return slots_first(jax.tree.map(lambda a: layer_of(a, layer), x))
 
 
 def _set_layer(stack: jax.Array, layer, value: jax.Array) -> jax.Array:
@@ -252,6 +255,17 @@ def _scatter_mask(idx: jax.Array, n: int) -> jax.Array:
     hit = jnp.zeros(idx.shape[:-1] + (n + 1,), bool)
     hit = jnp.put_along_axis(hit, jnp.where(idx < 0, n, idx), True, axis=-1, inplace=False)
     return hit[..., :n]
+
+
+def pinned(cache: KVCache, attention_impl: str = "auto") -> KVCache:
+    """The cache, with its quantized tier's stacks held in the layout the decode kernels read where the program is
+    lowered for TPU (`pallas_kernels.get_layout_pin`; elsewhere the cache itself). The ticks' loops over layers
+    start and end their bodies with it, so XLA:TPU never gives their carried stacks a layout of their own and copies
+    them whole around the loops at every decode step (the loops run at every step, zero times between ticks). The
+    prefill's loop is not pinned: its stacks are relaid once per call, which costs less memory than the pinned
+    prefill's temporaries."""
+    pin = get_layout_pin(attention_impl)
+    return cache.replace(kq=jax.tree.map(pin, cache.kq), vq=jax.tree.map(pin, cache.vq))
 
 
 # ---- writing the tiers of one layer -----------------------------------------------------------------------
@@ -339,8 +353,8 @@ def _write_layer(cache: KVCache, layer, src: Sources, src16: jax.Array, srcq: ja
         kq = jax.tree.map(pick, kq, src.old_codes[0])
         vq = jax.tree.map(pick, vq, src.old_codes[1])
     qpos = jnp.where(okq, _gather(src.pos, virtual_q), -1)
-    return new.replace(kq=jax.tree.map(set_layer, cache.kq, kq), vq=jax.tree.map(set_layer, cache.vq, vq),
-                       qpos=set_layer(cache.qpos, qpos))
+    return new.replace(kq=jax.tree.map(set_layer, cache.kq, slots_last(kq)),
+                       vq=jax.tree.map(set_layer, cache.vq, slots_last(vq)), qpos=set_layer(cache.qpos, qpos))
 
 
 def _sources_16(score: jax.Array, eligible: jax.Array, recent: jax.Array, tiers: TierLayout) -> tuple:
@@ -496,8 +510,10 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
     newest = cache.length[:, None] - b_ + jnp.arange(b_)[None]  # [b, B] 16-bit slots of the newest B
 
     flushing = due & ~evicting
+    pin = functools.partial(pinned, attention_impl=attention_impl)
 
     def evict_layer(layer, c: KVCache) -> KVCache:  # the evicting rows: the policy over both tiers
+        c = pin(c)
         keys, values, vpos = virtual_layer(c, layer)  # [b, h, V, D] x 2, [b, h, V]
         v_slots = vpos.shape[-1]
         slot = jnp.arange(v_slots)
@@ -513,13 +529,17 @@ def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: ja
         src16, srcq, fresh = _split(kept, is_q, score, newest, t)  # by `kvquant.split_kept`'s rule
         src = Sources(keys, values, vpos, rng, state, (_layer_quantized(c.kq, layer), _layer_quantized(c.vq, layer)))
         # fresh tokens come from the 16-bit tier less its newest B (which stay): at most F - B of them
-        return _write_layer(c, layer, src, src16, srcq, fresh, evicting, most_fresh=f - b_)
+        return pin(_write_layer(c, layer, src, src16, srcq, fresh, evicting, most_fresh=f - b_))
+
+    def flush_layer(layer, c: KVCache) -> tuple[KVCache, jax.Array]:
+        new, count = _flush_layer(pin(c), layer, flushing, newest)
+        return pin(new), count
 
     with jax.named_scope("retier"):
         # the flush's count comes out of the loop (read with the layer it rewrites: reading the old cache after
         # the loop would keep the old `pos` stack alive, a copy of it per tick)
         new, fresh_count = jax.lax.fori_loop(0, jnp.where(jnp.any(flushing), cache.num_layers, 0),
-                                             lambda layer, c: _flush_layer(c[0], layer, flushing, newest),
+                                             lambda layer, c: flush_layer(layer, c[0]),
                                              (cache, jnp.zeros_like(cache.length)))
         if eviction.evicts:
             new = jax.lax.fori_loop(0, jnp.where(jnp.any(evicting), cache.num_layers, 0), evict_layer, new)
@@ -575,10 +595,19 @@ def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> t
     # entries go out of range and are dropped.
     at = jnp.where(okf, cache.qlength[:, None, None] + jnp.arange(b_), t.quant_slots)  # [b, h, B]
 
-    def append(stack, x):
+    def append(stack, x):  # x [b, h, B, ...]
         return stack.at[layer, bi, hi, at].set(x.astype(stack.dtype), mode="drop")
 
-    new = new.replace(kq=jax.tree.map(append, cache.kq, kq), vq=jax.tree.map(append, cache.vq, vq),
+    def append_params(stack, x):  # x [b, h, B, G] into a group-major stack [layers, b, h, G, Q]
+        gi = jnp.arange(stack.shape[3])[None, None, :, None]  # [1, 1, G, 1]: every index given, no window
+        return stack.at[layer, bi[..., None], hi[..., None], gi, at[:, :, None]].set(
+            jnp.swapaxes(x, 2, 3).astype(stack.dtype), mode="drop")
+
+    def append_quantized(stack: Quantized, x: Quantized) -> Quantized:
+        return stack.replace(codes=append(stack.codes, x.codes), scale=append_params(stack.scale, x.scale),
+                             low=append_params(stack.low, x.low))
+
+    new = new.replace(kq=append_quantized(cache.kq, kq), vq=append_quantized(cache.vq, vq),
                       qpos=append(cache.qpos, appended_pos))
     virtual_at = jnp.where(at < t.quant_slots, f + at, t.virtual_slots)  # [b, h, B]
     targets = jnp.concatenate([jnp.broadcast_to(slot, (b, h, f)), virtual_at], axis=-1)  # [b, h, F + B]
