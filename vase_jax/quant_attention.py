@@ -229,10 +229,9 @@ def tiered_attention(q: jax.Array, full: tuple, quant: tuple | None, *, block: i
                      layer: jax.Array | int | None = None) -> jax.Array:
     """Decode attention over a cache in two tiers (the XLA path): `full` = (k, v, pos, length) in 16 bits (or
     float32; their values or their bits) and `quant` = (k, v, pos, length) quantized (`Quantized` as stored,
-    `Segment`), or None; both
-    stacked over layers when `layer` is given. One loop over the 16-bit blocks, then the quantized ones
-    (`segments_partials`): no second loop and no merge. With no quantized slot the output is exactly
-    `decode_attention_reference`'s on the 16-bit tier. q [batch, kv_heads, group, head_dim]."""
+    `Segment`), or None; both stacked over layers when `layer` is given. One loop over the 16-bit blocks, then the
+    quantized ones (`segments_partials`): no second loop and no merge. With no quantized slot the output is
+    exactly `decode_attention_reference`'s on the 16-bit tier. q [batch, kv_heads, group, head_dim]."""
     segments = [sixteen_bit_segment(*full)]
     if quant is not None:
         segments.append(Segment(*quant))
