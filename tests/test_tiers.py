@@ -279,15 +279,18 @@ def test_kernels_read_both_tiers_as_the_xla_path(tiny, impl):
 def test_ticks_pinned_for_a_tpu_rewrite_the_tiers_as_without_pins(tiny):
     """A tick lowered for the TPU kernels ("pallas_tpu": the layout pins of `tiers.pinned` run, as the no-op Mosaic
     call in interpret mode, at the start and end of each loop body over layers) leaves the cache exactly as the XLA
-    path's tick: the pins move nothing. Row 0 is due (its 80th token), row 1 is not."""
+    path's tick: the pins move nothing. One trace of vase_attnv (N = 48, B = 16): after 5 steps row 1 (43 prompt
+    tokens) is due at its 48th token and flushes (48 is not past N); after 16 steps row 0 (64) is due at its 80th
+    and evicts."""
     kv_bits = KVBits(4, 4, 16, 16)  # two groups of scales per token: the layout XLA:TPU copied
-    for eviction in (EvictionConfig("full", buffer=B), EvictionConfig("vase_attnv", budget=48, buffer=B)):
-        _, snaps = _trace(tiny, eviction, kv_bits, None, B - 1)
-        cache = jax.tree.map(jnp.asarray, snaps[-1])
-        _, cache = decode_step(tiny, cache, jnp.zeros((2,), jnp.int32), "xla")
-        assert np.asarray(rows_due(cache)).tolist() == [True, False]
-        tick = jax.jit(retier, static_argnums=(1, 4))
+    eviction = EvictionConfig("vase_attnv", budget=48, buffer=B)
+    _, snaps = _trace(tiny, eviction, kv_bits, None, B)
+    tick = jax.jit(retier, static_argnums=(1, 4))
+    for steps, due, evicting in ((5, [False, True], False), (B, [True, False], True)):
+        _, cache = decode_step(tiny, jax.tree.map(jnp.asarray, snaps[steps - 1]), jnp.zeros((2,), jnp.int32), "xla")
+        row = due.index(True)
+        assert np.asarray(rows_due(cache)).tolist() == due
         ticks = {impl: tick(cache, eviction, jax.random.key(1), jnp.arange(2), impl) for impl in ("xla", "pallas_tpu")}
         for want, got in zip(jax.tree.leaves(ticks["xla"]), jax.tree.leaves(ticks["pallas_tpu"]), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        assert int(ticks["xla"].evictions[0]) == int(eviction.evicts)
+        assert int(ticks["xla"].evictions[row]) == int(cache.evictions[row]) + int(evicting)
