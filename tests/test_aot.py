@@ -85,15 +85,23 @@ def test_v5p_mixed_precision_decode_loop_copies_no_stack_per_step():
     tier stores its scales group-major (slots on lanes) and the ticks' loops pin its stacks to the kernels' layout
     (`tiers.pinned`); before, XLA copied 16 whole stacks around those loops at every step (docs/BENCHMARKS.md). The
     ticks' own loops over layers (named scope "retier", run at a tick) relayout the layer they read inside their
-    fusions, and the prefill's loop once per call; those are not per-step work."""
+    fusions, and the prefill's loop once per call; those are not per-step work.
+
+    Batch 8, as many rows as kv heads: there XLA:TPU also carried the per-slot arrays (`pos`, `qpos`,
+    `value_range`) with rows and heads swapped and copied them at every step, until the pins covered them too (at
+    batch 16 it did not). Budget 512 and 1024 new tokens: the same program as the paper's 2048, compiled in 45 s
+    instead of 100 (XLA:TPU's compile time grows with the slots). A 64-token prompt: with 128, the prefill's
+    activations [8, 128, 4096] would have a stacked k_proj's shape, and the weight check would flag them."""
     from hlo_utils import per_step_copies
 
     reason = aot.missing("v5p")
     if reason:
         pytest.skip(reason)
-    compiled, report = aot.compile_generate("v5p", CFG, batch=16, eviction=METHODS["vase_attnv"], prompt_len=128,
-                                            max_new_tokens=4096, kv_bits="K4V4")
-    lead = (CFG.num_layers, 16, CFG.num_kv_heads)
+    batch = CFG.num_kv_heads
+    compiled, report = aot.compile_generate("v5p", CFG, batch=batch, prompt_len=64, max_new_tokens=1024,
+                                            eviction=vj.EvictionConfig("vase_attnv", budget=512, buffer=64),
+                                            kv_bits="K4V4")
+    lead = (CFG.num_layers, batch, CFG.num_kv_heads)
     copies = per_step_copies(compiled.as_text(), lambda dims: dims[:3] == lead, follow_branches=True,
                              ticks=("/retier/",))
     assert copies == [], "\n".join(copies[:5])

@@ -258,14 +258,18 @@ def _scatter_mask(idx: jax.Array, n: int) -> jax.Array:
 
 
 def pinned(cache: KVCache, attention_impl: str = "auto") -> KVCache:
-    """The cache, with its quantized tier's stacks held in the layout the decode kernels read where the program is
-    lowered for TPU (`pallas_kernels.get_layout_pin`; elsewhere the cache itself). The ticks' loops over layers
-    start and end their bodies with it, so XLA:TPU never gives their carried stacks a layout of their own and copies
-    them whole around the loops at every decode step (the loops run at every step, zero times between ticks). The
+    """The cache, with its quantized tier's stacks and its per-slot arrays (`pos`, `qpos`, `value_range`, the
+    policy state) held in the layout the decode kernels read where the program is lowered for TPU
+    (`pallas_kernels.get_layout_pin`; elsewhere the cache itself). The ticks' loops over layers start and end their
+    bodies with it, so XLA:TPU never gives their carried stacks a layout of their own and copies them whole around
+    the loops at every decode step (the loops run at every step, zero times between ticks). Unpinned, the per-slot
+    arrays were carried with rows and heads swapped when a batch has as many rows as kv heads. The
     prefill's loop is not pinned: its stacks are relaid once per call, which costs less memory than the pinned
     prefill's temporaries."""
     pin = get_layout_pin(attention_impl)
-    return cache.replace(kq=jax.tree.map(pin, cache.kq), vq=jax.tree.map(pin, cache.vq))
+    return cache.replace(kq=jax.tree.map(pin, cache.kq), vq=jax.tree.map(pin, cache.vq), pos=pin(cache.pos),
+                         qpos=pin(cache.qpos), value_range=pin(cache.value_range),
+                         state={name: pin(x) for name, x in cache.state.items()})
 
 
 # ---- writing the tiers of one layer -----------------------------------------------------------------------
