@@ -368,7 +368,10 @@ class BatchPlan:
 
 
 def _line(points: list[tuple[int, int]]) -> tuple[float, float]:
-    """(a, b) of the line a + b * rows through the two points of largest rows (a slope below 0 is taken as 0)."""
+    """(a, b) of the line a + b * rows through the two points of largest rows (a slope below 0 is taken as 0); for
+    one point, the flat line through it."""
+    if len(points) == 1:
+        return float(points[0][1]), 0.0
     (r1, y1), (r2, y2) = sorted(points)[-2:]
     b = max((y2 - y1) / (r2 - r1), 0.0)
     return y2 - b * r2, b
@@ -392,7 +395,9 @@ def largest_batch(cfg: Qwen3Config, eviction: EvictionConfig, *, target="h200", 
     largest rows with total(rows) <= usable = device_bytes * (1 - headroom), capped at `min(max_rows, samples)`.
     The answer is then compiled: when it does not fit, the line is refitted through it and the search steps down;
     when it fits and the refitted line says one row more does not, it is the answer; else the search steps up. At
-    most `max_compiles` compiles after the fit; the answer is always a compiled size that fits.
+    most `max_compiles` compiles after the fit; the answer is always a compiled size that fits. A cap at most
+    `fit_rows[0]` (few samples) is compiled alone first: when it fits it is the answer, after one compile; else
+    one row less is compiled too, and the search goes on from the line through both.
 
     `device_bytes` defaults to the target's (`device_memory`: 139 GiB for an H200, 95 GiB for a v5p, an attached
     device's allocator limit); the CPU needs it given. The other arguments are `plan_engine`'s.
@@ -476,12 +481,12 @@ def largest_batch(cfg: Qwen3Config, eviction: EvictionConfig, *, target="h200", 
 
     fits = {}
     first = sorted({min(r, cap) for r in fit_rows})
-    if len(first) == 1 and cap > 1:
-        first = [cap - 1, cap]
     for r in first:
         fits[r] = compile_at(r).total <= usable
-    if len(plans) == 1:  # cap == 1
-        lo = 1 if fits[1] else 0
+    if len(first) == 1 and not fits[cap] and cap > 1:  # cap <= fit_rows[0] and the cap does not fit: a second size
+        fits[cap - 1] = compile_at(cap - 1).total <= usable
+    if len(plans) == 1:  # the cap alone was compiled (cap <= fit_rows[0]): it fits, or cap == 1 and nothing does
+        lo = cap if fits[cap] else 0
     else:
         for _ in range(max_compiles):
             lo = max([r for r, ok in fits.items() if ok], default=0)
@@ -506,8 +511,12 @@ def largest_batch(cfg: Qwen3Config, eviction: EvictionConfig, *, target="h200", 
     _, _, slope = predict(lo)
     per_row = per_row_at(lo)
     fixed = plan.total - programs.weights - lo * (per_row + slope)
-    sums = (f"weights {size(plan.weights)} + {lo} rows x (cache and buffers {size(per_row)} + temporaries "
-            f"{size(slope)} per row) + {size(fixed)} fixed = {size(plan.total)} <= {room}")
+    if len(plans) > 1:
+        sums = (f"weights {size(plan.weights)} + {lo} rows x (cache and buffers {size(per_row)} + temporaries "
+                f"{size(slope)} per row) + {size(fixed)} fixed = {size(plan.total)} <= {room}")
+    else:  # one size compiled: its temporaries are not split into a part per row and a fixed part
+        sums = (f"weights {size(plan.weights)} + {lo} rows x cache and buffers {size(per_row)} + temporaries and "
+                f"fixed {size(fixed)} = {size(plan.total)} <= {room}")
     if lo == cap:
         what = "the number of samples" if samples is not None and samples <= max_rows else "max_rows"
         limit, reason = "cap", f"capped at {cap} rows ({what}): {sums}"
