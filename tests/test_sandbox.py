@@ -296,7 +296,9 @@ def _hostile(tmp_path: Path, port: int, world: dict, cfg: SandboxConfig) -> dict
         # 3: memory that RLIMIT_AS does not count
         "memory-backed files": Case(MEMORY_FILES.format(limit=cfg.memory_bytes + cfg.disk_bytes),
                                     "'contained' != 'LEAK'", output="LEAK", needs=("filter",)),
-        "memory over several processes": Case(FORKED_MEMORY, "memory limit exceeded", needs=("cgroup",)),
+        # four children touching 200 MiB each: ~0.5 s of CPU together, and past 2 s once under the suite's load
+        "memory over several processes": Case(FORKED_MEMORY, "memory limit exceeded", needs=("cgroup",),
+                                              timeout=10.0),
         "children burn the CPU": Case(CHILDREN_SPIN, "time limit exceeded"),
         # 4: state that would outlive the run (the per-user counts are checked in a test of its own below)
         "keyring": Case("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
