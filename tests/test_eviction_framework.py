@@ -16,6 +16,7 @@ from vase_jax.generate import decode_step, prefill, query_window
 
 EVICTING = sorted(METHODS)
 SINK_METHODS = ("vase_attnv", "curdkv", "vase_dkv")
+GENERATE_CHECKED = ("snapkv", "h2o", "vase_dkv")  # test_framework_invariants compiles generate for these
 N, B = 64, 16
 
 
@@ -123,7 +124,10 @@ def test_framework_invariants(peaked, tokenizer, method):
                         assert {0, 1, 2, 3} <= set(kept_valid.tolist())
     # generate runs exactly these schedules (each row its own). Its tokens equal the driver's up to the first
     # eviction; after it they may part, since one fused program and separately jitted pieces may round differently
-    # and flip near-ties.
+    # and flip near-ties. The schedule is the framework's, the same for every method: generate is compiled for one
+    # method of each kind (stateless window-scored, stateful, value-scored with sinks), not all 14 (~3 s each).
+    if method not in GENERATE_CHECKED:
+        return
     out = vj.generate(peaked, ids, mask, key=jax.random.key(0), eviction=ev,
                       config=vj.GenerateConfig(max_new_tokens=max_new, temperature=0.0, eos_token_ids=()))
     assert np.asarray(out.row_evictions).tolist() == [len(s) for s in schedules]

@@ -76,14 +76,14 @@ def test_bf16_kl_against_hf(tmp_path, prompt_batch):
     (0.2) makes the distributions peaked, so the KL is not trivially zero."""
     folder, hf32 = save_tiny_checkpoint_bf16(tmp_path)
     ids, mask = prompt_batch.input_ids, prompt_batch.attention_mask
-    real = mask.astype(bool)
-    ref32 = hf_logits(hf32, ids, mask).astype(np.float64)
+    real = mask.astype(bool)  # the KLs over the real positions only: [positions, vocab] (padding left out)
+    ref32 = hf_logits(hf32, ids, mask)[real].astype(np.float64)
     hf16 = hf32.to(torch.bfloat16)
-    ref16 = hf_logits(hf16, ids, mask).astype(np.float64)
+    ref16 = hf_logits(hf16, ids, mask)[real].astype(np.float64)
     ours = vj.Qwen3.from_pretrained(str(folder), dtype=jnp.bfloat16)
-    ours16 = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask))).astype(np.float64)
-    kl_ours = _kl(ref16, ours16)[real].mean()
-    kl_rounding = _kl(ref32, ref16)[real].mean()
+    ours16 = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)))[real].astype(np.float64)
+    kl_ours = _kl(ref16, ours16).mean()
+    kl_rounding = _kl(ref32, ref16).mean()
     print(f"KL(HF bf16 || ours bf16) = {kl_ours:.3e}; KL(HF fp32 || HF bf16) = {kl_rounding:.3e}")
     assert kl_rounding > 1e-6  # the check has teeth: bf16 rounding is visible
     assert kl_ours <= 2 * kl_rounding + 1e-4
