@@ -127,6 +127,41 @@ def test_unsupported_configs_raise_naming_the_field(change, field):
         vj.Qwen3Config.from_hf_config(hf)
 
 
+def test_packaged_tokenizer_is_autotokenizers_without_importing_torch(tokenizer, tmp_path):
+    """`load_tokenizer` builds the class AutoTokenizer picks for a Qwen3 folder (`Qwen2Tokenizer`) straight from its
+    module, which leaves torch unimported (AutoTokenizer's import chain imports it: 1.5 s of a script's start):
+    the same ids, decoded text, chat template and special ids. A folder naming another class gets AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(vj.prompts.packaged_tokenizer_dir())
+    assert type(tokenizer) is type(reference)
+    texts = ["Hello, world!", "raw completion <|endoftext|> café\n", "a   b    ", "cafe\u0301",
+             "<think>\nx</think> 你好 мир 🎉 def f(x): return x**2"]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == reference(text, add_special_tokens=False)["input_ids"], text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    for thinking in (True, False):
+        messages = [{"role": "user", "content": "hi"}]
+        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=thinking) == reference.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)) == (151645, 151643, 151669)
+    code = "import sys, vase_jax as vj; vj.load_tokenizer(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    # a folder whose config names another class: AutoTokenizer's choice (here the fast GPT-2-style class)
+    other = tmp_path / "other"
+    reference.save_pretrained(other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert not vj.prompts._names_qwen2_tokenizer(str(other))
+    assert vj.load_tokenizer(other)("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]
+
+
 def test_encode_prompts_left_pads_with_chat_template(tokenizer):
     batch = vj.encode_prompts(tokenizer, ["a", "a much longer question with several words"])
     assert batch.input_ids.shape == batch.attention_mask.shape

@@ -19,14 +19,38 @@ def load_tokenizer(path_or_hub_id: str | os.PathLike | None = None):
 
     A model folder without tokenizer files falls back to the packaged Qwen3 tokenizer (all Qwen3 sizes share it).
     """
-    from transformers import AutoTokenizer  # noqa: PLC0415 (1.7 s to import: paid by tokenizer users only)
-
     path = packaged_tokenizer_dir() if path_or_hub_id is None else str(path_or_hub_id)
     if os.path.isdir(path) and not any(
         os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")
     ):
         path = packaged_tokenizer_dir()
+    if _names_qwen2_tokenizer(path):
+        # the class AutoTokenizer would pick, from its own module: AutoTokenizer's import chain imports torch
+        # (about 1.5 s of every script's start), this one does not
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # noqa: PLC0415
+
+        return Qwen2Tokenizer.from_pretrained(path)
+    from transformers import AutoTokenizer  # noqa: PLC0415 (1.7 s to import: paid by tokenizer users only)
+
     return AutoTokenizer.from_pretrained(path)
+
+
+def _names_qwen2_tokenizer(path: str) -> bool:
+    """Whether `path` is a local folder whose tokenizer_config.json names `Qwen2Tokenizer` (every Qwen3 model's,
+    and the packaged one's), under transformers 5 or later (where that class is the tokenizers-backed one that
+    AutoTokenizer returns; before 5 AutoTokenizer returns `Qwen2TokenizerFast` instead)."""
+    import json  # noqa: PLC0415
+
+    import transformers  # noqa: PLC0415 (the package's own import is light; torch comes with its models)
+
+    config = os.path.join(path, "tokenizer_config.json")
+    if int(transformers.__version__.split(".")[0]) < 5 or not os.path.isfile(config):
+        return False
+    with open(config, encoding="utf-8") as fh:
+        try:
+            return json.load(fh).get("tokenizer_class") == "Qwen2Tokenizer"
+        except ValueError:
+            return False
 
 
 @dataclasses.dataclass(frozen=True)
