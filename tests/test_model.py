@@ -153,7 +153,7 @@ def test_packaged_tokenizer_is_autotokenizers_without_importing_torch(tokenizer,
     code = "import sys, vase_jax as vj; vj.load_tokenizer(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
-    # a folder whose config names another class: AutoTokenizer's choice (here the fast GPT-2-style class)
+    # a folder whose config names another class: AutoTokenizer's choice (here the generic fast class)
     other = tmp_path / "other"
     reference.save_pretrained(other)
     config = json.loads((other / "tokenizer_config.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from importlib import resources
 
@@ -39,8 +40,6 @@ def _names_qwen2_tokenizer(path: str) -> bool:
     """Whether `path` is a local folder whose tokenizer_config.json names `Qwen2Tokenizer` (every Qwen3 model's,
     and the packaged one's), under transformers 5 or later (where that class is the tokenizers-backed one that
     AutoTokenizer returns; before 5 AutoTokenizer returns `Qwen2TokenizerFast` instead)."""
-    import json  # noqa: PLC0415
-
     import transformers  # noqa: PLC0415 (the package's own import is light; torch comes with its models)
 
     config = os.path.join(path, "tokenizer_config.json")
