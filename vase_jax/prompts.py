@@ -45,11 +45,12 @@ def _names_qwen2_tokenizer(path: str) -> bool:
     config = os.path.join(path, "tokenizer_config.json")
     if int(transformers.__version__.split(".")[0]) < 5 or not os.path.isfile(config):
         return False
-    with open(config, encoding="utf-8") as fh:
-        try:
-            return json.load(fh).get("tokenizer_class") == "Qwen2Tokenizer"
-        except ValueError:
-            return False
+    try:
+        with open(config, encoding="utf-8") as fh:
+            settings = json.load(fh)
+    except ValueError:  # not JSON: AutoTokenizer reports it
+        return False
+    return isinstance(settings, dict) and settings.get("tokenizer_class") == "Qwen2Tokenizer"
 
 
 @dataclasses.dataclass(frozen=True)
