@@ -22,6 +22,15 @@ def test_pack_unpack_is_the_identity(bits):
         np.testing.assert_array_equal(np.asarray(packed[..., 0]), codes[..., 0] | (codes[..., 1] << 4))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pack_unpack_of_no_slots(bits):
+    """A quantized tier of zero slots (a small budget whose 16-bit slots hold everything) packs to zero bytes."""
+    codes = jnp.zeros((2, 0, 32), jnp.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (2, 0, 32 * bits // 8) and unpack(packed, bits).shape == (2, 0, 32)
+    assert quantize(jnp.zeros((2, 0, 32)), bits, 32).codes.shape == (2, 0, 32 * bits // 8)
+
+
 @pytest.mark.parametrize("bits,group", [(8, 128), (8, 32), (4, 64), (4, 32)])
 def test_round_trip_within_half_a_step_and_equal_to_rtn(bits, group):
     x = jax.random.normal(jax.random.key(0), (4, 6, 128), jnp.float32) * 3.0

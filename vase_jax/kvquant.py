@@ -108,7 +108,7 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
         raise ValueError(f"bits={bits}; packing takes 8 or 4")
     if codes.shape[-1] % 2:
         raise ValueError(f"4-bit packing needs an even channel count, got {codes.shape[-1]}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)  # [..., D / 2, 2]
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)  # [..., D / 2, 2] (no -1: may be empty)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
@@ -119,7 +119,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
     if bits != 4:
         raise ValueError(f"bits={bits}; unpacking takes 8 or 4")
     low, high = packed & 0x0F, packed >> 4  # [..., D / 2] each
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 # ---- quantization ---------------------------------------------------------------------------------------------
