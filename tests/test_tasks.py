@@ -24,6 +24,7 @@ from vase_jax.tasks import (
 )
 
 PACKAGED = [name for name, task in TASKS.items() if task.data_dir is not None]
+BOXED = [name for name in PACKAGED if TASKS[name].grader != "exact"]  # answers graded from a \\boxed{}
 SMALL = 100  # sets up to this size are graded in full, larger ones on a fixed sample of SAMPLE rows
 SAMPLE = 50
 
@@ -50,12 +51,17 @@ def test_registry_defaults_follow_spec_section_6():
         "aime24": (16, 4096), "aime25": (16, 4096), "aime26": (16, 4096), "hmmt25": (16, 4096),
         "gpqa": (8, 2048), "math500": (8, 1024), "gsm8k": (4, 512), "livecodebench": (8, 2048),
     }  # fmt: skip
-    assert set(TASKS) == {*expected, "amc", "minerva", "olympiadbench"}
+    assert set(TASKS) == {*expected, "amc", "minerva", "olympiadbench", "varchain"}
     for name, (samples, budget) in expected.items():
         assert (TASKS[name].samples, TASKS[name].budget) == (samples, budget), name
     for task in TASKS.values():
         assert task.value_slots == task.budget // 4
-        assert (task.temperature, task.top_p, task.top_k) == (0.6, 0.95, 0)
+        if task.name == "varchain":  # the packaged model's task: greedy, its own budgets and buffer
+            assert (task.temperature, task.top_p, task.samples, task.buffer) == (0.0, 1.0, 1, 16)
+            assert task.budget in task.budgets and task.max_total_tokens == 512
+            continue
+        assert (task.temperature, task.top_p, task.top_k, task.buffer) == (0.6, 0.95, 0, 64)
+        assert task.budgets == (task.budget,)
         assert task.max_total_tokens == (4096 if task.name == "gsm8k" else 32768)
     assert TASKS["gsm8k"].num_problems == 500
     assert TASKS["gsm8k"].max_new_tokens(100) == 3996
@@ -120,7 +126,7 @@ def test_extract_answer_choice_letter():
 
 
 # ---- grading -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", PACKAGED)
+@pytest.mark.parametrize("name", BOXED)
 def test_gold_answers_grade_correct(name):
     for p in _sample(load_problems(name)):
         assert grade("Reasoning ... so the answer is $\\boxed{" + p.answer + "}$.", p), (name, p.id, p.answer)
@@ -128,7 +134,7 @@ def test_gold_answers_grade_correct(name):
             assert math_equal(p.answer, p.answer), (name, p.id, p.answer)
 
 
-@pytest.mark.parametrize("name", PACKAGED)
+@pytest.mark.parametrize("name", BOXED)
 def test_wrong_numeric_answers_are_rejected(name):
     problems = [p for p in _sample(load_problems(name)) if re.fullmatch(r"-?\d+", p.answer.strip("$ "))]
     assert problems or name in ("minerva", "olympiadbench")
@@ -239,6 +245,13 @@ def _write(tmp_path, lines):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def test_unknown_names_suggest_the_nearest():
+    with pytest.raises(ValueError, match="did you mean 'gsm8k'"):
+        get_task("gsm8")
+    with pytest.raises(ValueError, match="known tasks"):
+        get_task("zzzzzz")
 
 
 def test_unknown_task():

@@ -24,6 +24,7 @@ Per grader kind:
 * "gsm8k": if the answer, once `\\text{}`, `\\$`, "%", thousands commas and trailing unit words are removed,
   is one plain number, it is compared numerically with the gold number; otherwise math-verify decides
   ("\\frac{36}{2}").
+* "exact": the text after the completion's last `</think>`, stripped, must equal the gold string (`varchain`).
 * "choice": the answer's option letter (A-D, from "B", "(B)", "\\text{B}" or "B. text") must equal the gold.
 
 Robustness: grading never raises on model output (anything unexpected is graded wrong). math-verify guards
@@ -40,7 +41,7 @@ import functools
 import re
 import threading
 
-from vase_jax.tasks import livecodebench
+from vase_jax.tasks import livecodebench, varchain
 from vase_jax.tasks.problem import Problem
 from vase_jax.tasks.registry import Task, get_task
 
@@ -56,11 +57,14 @@ _PLAIN_NUMBER = re.compile(r"([+-]?\d+(?:\.\d+)?)\.?(?:\s+[A-Za-z][A-Za-z .]*)?"
 
 def extract_answer(text: str, task: str | Task | None = None) -> str:
     """The content of the last `\\boxed{...}` in `text` ("" if none); for "choice" tasks its option letter; for
-    "code" tasks the code between the last two lines with three backticks."""
+    "code" tasks the code between the last two lines with three backticks; for "exact" tasks what follows the
+    last `</think>`."""
     if not isinstance(text, str):
         return ""
     if task is not None and get_task(task).grader == "code":
         return livecodebench.extract_code(text)
+    if task is not None and get_task(task).grader == "exact":
+        return varchain.extract_answer(text)
     start = text.rfind("\\boxed")
     if start < 0:
         return ""
@@ -165,6 +169,10 @@ def is_correct(text_or_answer: str, gold: str, task: str | Task, *, require_box:
         raise ValueError(f"task {get_task(task).name!r} is graded by running code: use grade(completion, problem)")
     if not isinstance(text_or_answer, str):
         return False
+    if grader == "exact":
+        answer = varchain.extract_answer(text_or_answer) if varchain.END_THINK in text_or_answer else (
+            "" if require_box else text_or_answer.strip())
+        return bool(answer) and answer == str(gold).strip()
     if "\\boxed" in text_or_answer:
         answer = extract_answer(text_or_answer)
     elif require_box:
@@ -193,6 +201,10 @@ def grade(completion: str, problem: Problem) -> bool:
 
     Code tasks run the completion's code on the problem's tests (`vase_jax.tasks.livecodebench.grade`).
     """
-    if get_task(problem.task).grader == "code":
+    grader = get_task(problem.task).grader
+    if grader == "code":
         return livecodebench.grade(problem, completion).passed
+    if grader == "exact":
+        answer = varchain.extract_answer(completion)
+        return bool(answer) and answer == problem.answer.strip()
     return is_correct(completion, problem.answer, problem.task, require_box=True)

@@ -12,6 +12,7 @@ prompt + output, temperature 0.6, top-p 0.95, top-k off):
 | gsm8k | 4 | 512 | 128 | case study: first 500 test questions, 4096 total tokens |
 | amc | 16 | 2048 | 512 | not in the paper (our choice) |
 | olympiadbench | 8 | 2048 | 512 | not in the paper (our choice) |
+| varchain | 1 | 48 | 12 | the packaged model's task: greedy, B = 16, 512 total tokens |
 | minerva | 8 | 1024 | 256 | not in the paper (our choice) |
 
 Our choices follow the paper's rule of about 4x compression of a typical Qwen3 thinking trace: AMC and
@@ -24,7 +25,8 @@ chat template and thinking mode are applied by `vase_jax.encode_prompts`:
 
     math:  question + "\\nPlease reason step by step, and put your final answer within \\\\boxed{}."
     gsm8k: question.strip() + " Put your final answer within \\\\boxed{}."
-    raw:   question (GPQA: the stored question already holds the choices and the instruction; LiveCodeBench:
+    raw:   question (varchain: the bindings and "?", `vase_jax.tasks.varchain`; GPQA: the stored question
+           already holds the choices and the instruction; LiveCodeBench:
            the authors' prompt, built by `livecodebench.build_prompt` from a release row)
 
 The reference sends AMC and Minerva questions raw (only aime/hmmt/math/olympiadbench get the suffix), but it
@@ -34,11 +36,12 @@ never reports them; we give them the math suffix so that their answers are boxed
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
 PROMPT_STYLES = ("math", "gsm8k", "raw")
-GRADERS = ("math", "gsm8k", "choice", "code")
+GRADERS = ("math", "gsm8k", "choice", "code", "exact")
 
 
 def build_prompt(question: str, style: str) -> str:
@@ -57,8 +60,9 @@ class Task:
     """One evaluation set and its default run settings.
 
     `data_dir` names the packaged folder under `vase_jax/data/tasks/` (None: the user must pass a data file).
-    `grader` is "math" (math-verify), "gsm8k" (numeric, then math-verify), "choice" (letters A-D) or "code"
-    (LiveCodeBench: the completion's code runs on the tests in `vase_jax.sandbox`).
+    `grader` is "math" (math-verify), "gsm8k" (numeric, then math-verify), "choice" (letters A-D), "code"
+    (LiveCodeBench: the completion's code runs on the tests in `vase_jax.sandbox`) or "exact" (the text after the
+    completion's last `</think>` must equal the gold answer; `varchain`).
     `num_problems` is the default subset size (the first rows), None for all.
     """
 
@@ -76,6 +80,14 @@ class Task:
     top_k: int = 0  # 0 = off: the reference's HF loop applies no top-k (spec 7.10)
     num_problems: int | None = None
     seed: int = 0
+    buffer: int = 64  # B, the eviction period and recent window
+    sweep: tuple[int, ...] | None = None  # the budgets a run sweeps by default (None: `budget` alone)
+    batch_size: int | None = None  # rows of the batch by default (None: the samples R)
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The budgets a run evaluates when none are given."""
+        return self.sweep or (self.budget,)
 
     def build_prompt(self, question: str) -> str:
         """The user message for `question` (no chat template)."""
@@ -110,10 +122,19 @@ TASKS: dict[str, Task] = {
         _task("minerva", "Minerva Math (OCW courses)", "minerva", 8, 1024),
         _task("olympiadbench", "OlympiadBench (text-only English math)", "olympiadbench", 8, 2048),
         _task("gpqa", "GPQA-Diamond (user-supplied)", None, 8, 2048, prompt_style="raw", grader="choice"),
+        _task("varchain", "variable chain: sums of a variable and one written 8 lines back (packaged model's task)",
+              "varchain", 1, 48, prompt_style="raw", grader="exact", max_total_tokens=512, temperature=0.0,
+              top_p=1.0, buffer=16, sweep=(32, 48, 64, 96), batch_size=64),
         _task("livecodebench", "LiveCodeBench v6 medium (user-supplied tests; code run in a sandbox)", None, 8,
               2048, prompt_style="raw", grader="code"),
     )
 }
+
+
+def suggest(name: str, known) -> str:
+    """", did you mean 'x'?" for the known name nearest to a mistyped `name` ("" when none is near)."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def get_task(task: str | Task) -> Task:
@@ -121,5 +142,5 @@ def get_task(task: str | Task) -> Task:
     if isinstance(task, Task):
         return task
     if task not in TASKS:
-        raise ValueError(f"task={task!r} is not known; known tasks: {', '.join(TASKS)}")
+        raise ValueError(f"task={task!r} is not known{suggest(task, TASKS)}; known tasks: {', '.join(TASKS)}")
     return TASKS[task]
