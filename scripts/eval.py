@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """Evaluate KV-eviction methods on a reasoning task with the paper's protocol (resumable).
 
+    python scripts/eval.py                      # the packaged trained model on its task, offline (see below)
     python scripts/eval.py --model Qwen/Qwen3-0.6B --task gsm8k --methods full,vase_attnv --budgets 512
+
+With no --model, the packaged model (`vase_jax/data/models/varchain-qwen3`, trained by scripts/train.py) runs on
+its task (`varchain`): every method of the paper and H2O and KeyDiff at the task's budgets, and `full` and
+vase_dkv with the K8V8 and K4V4 caches as well; greedy, on the 200 held-out problems (--limit for fewer).
 
 Defaults follow the paper per task (R samples, budget N, Nv = N/4, buffer 64, prompt + output <= the task's
 total-token cap, temperature 0.6, top-p 0.95, top-k off). Writes DIR/records.jsonl (one graded sample per
@@ -20,6 +25,7 @@ import time
 from pathlib import Path
 
 PROG = "eval.py"
+PACKAGED_METHODS = ("full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,29 +58,35 @@ def build_parser() -> argparse.ArgumentParser:
     from vase_jax.evaluation.config import RANDOM_MODELS
 
     p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder (default: the "
+                     "packaged varchain model)")
     src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
                      help="a tiny random Qwen3 built in memory (offline smoke runs; answers are noise)")
-    p.add_argument("--task", required=True, help="gsm8k, math500, aime24/25/26, hmmt25, amc, minerva, "
+    p.add_argument("--task", help="varchain (the default with the packaged model), gsm8k, math500, aime24/25/26, hmmt25, amc, minerva, "
                    "olympiadbench, gpqa (gpqa needs --data), livecodebench (needs --data or --tests-dir)")
     p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set (livecodebench: "
                    "the official release file, or the authors' test.jsonl with --tests-dir)")
     p.add_argument("--tests-dir", help="livecodebench: folder of the authors' per-problem test files "
                    "(<global_id>.json, md5-checked); prompts from --data or the packaged test.jsonl")
-    p.add_argument("--methods", type=_csv(str), default=("full", "vase_attnv"),
+    p.add_argument("--methods", type=_csv(str),
                    help="comma list: 'full' (no eviction) and policies of vj.eviction.METHODS (snapkv, rkv, "
-                   "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, ablations; default: full,vase_attnv)")
+                   "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, ablations; default: full,vase_attnv; "
+                   f"with the packaged model: {','.join(PACKAGED_METHODS)})")
     p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
-    p.add_argument("--kv-bits", type=_csv(str), default=("bf16",),
+    p.add_argument("--kv-bits", type=_csv(str),
                    help="comma list of cache settings, each run for every method and budget: bf16 (the 16-bit "
                    "cache, default) or K<bits>V<bits>[g<group>] (a mixed-precision cache: keys and values in 8 "
-                   "or 4 bits, the slots of largest Range(v) and the recent B in 16 bits), e.g. bf16,K8V8,K4V4")
+                   "or 4 bits, the slots of largest Range(v) and the recent B in 16 bits), e.g. bf16,K8V8,K4V4 "
+                   "(default: bf16; with the packaged model: bf16,K8V8,K4V4)")
+    p.add_argument("--kv-methods", type=_csv(str),
+                   help="the methods that run with the mixed-precision settings of --kv-bits (default: all of "
+                   "--methods; with the packaged model: full,vase_dkv)")
     p.add_argument("--kv-protected", type=int,
                    help="16-bit slots of a mixed-precision cache kept for their Range(v) (default: Nv with "
                    "vase_attnv and the range_* methods, 0 with the other evicting methods, a quarter of the cache "
                    "without eviction)")
-    p.add_argument("--buffer", type=int, default=64, help="eviction buffer / period B (default 64)")
+    p.add_argument("--buffer", type=int, help="eviction buffer / period B (default: the task's, 64; varchain 16)")
     p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")
     p.add_argument("--samples", type=int, help="samples R per problem (default: the task's)")
     p.add_argument("--max-new-tokens", type=int,
@@ -97,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: runs/<task>/<model name>)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--save-text", action="store_true", help="also store each decoded completion")
+    p.add_argument("--replay", action="store_true",
+                   help="teacher-forced replay instead of sampling: each evicting method and budget fed the full "
+                   "cache's greedy traces; KL(full || evicted), top-1 agreement and NLL per position bucket "
+                   "(DIR/replay.md, replay.json; resumable)")
     p.add_argument("--mesh", help="data=D,model=M: rows over D devices, heads over M (default: every device in "
                    "data, model=1); D x M must be the number of devices of all processes")
     p.add_argument("--coordinator", help="HOST:PORT of process 0, for a run over several processes (hosts); "
@@ -115,6 +131,9 @@ def _default_out(task: str, model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers says "PyTorch was not found" at import where torch is absent (the eval extra has none, and
+    # needs none: the models run in JAX); an advisory line of noise on every run
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
 
     def fail(msg: str) -> int:
@@ -126,11 +145,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from vase_jax import distributed
     from vase_jax import evaluation as ev
+    from vase_jax.evaluation.config import packaged_model_dir
     from vase_jax.jit import compilation_cache_dir, enable_compilation_cache
     from vase_jax.sharding import parse_mesh
     from vase_jax.tasks import get_task
 
-    model = f"random:{args.random_model}" if args.random_model else args.model
+    packaged = not args.random_model and args.model is None
+    model = f"random:{args.random_model}" if args.random_model else (args.model or str(packaged_model_dir()))
+    if args.task is None and not packaged:
+        return fail("--task is required with --model or --random-model (the packaged model's task, varchain, is the "
+                    "default only without them)")
+    task = args.task or "varchain"
+    if packaged:  # the offline default run: every method, and the mixed-precision caches for full and vase_dkv
+        args.methods = args.methods or PACKAGED_METHODS
+        if args.kv_bits is None:
+            args.kv_bits = ("bf16", "K8V8", "K4V4")
+            args.kv_methods = args.kv_methods or ("full", "vase_dkv")
+    args.methods = args.methods or ("full", "vase_attnv")
+    args.kv_bits = args.kv_bits or ("bf16",)
     try:  # checked before anything starts: a mesh or process flag that cannot work fails here, in every process
         mesh_sizes = parse_mesh(args.mesh) if args.mesh else None
         multi = distributed.check_args(args.coordinator, args.num_processes, args.process_id)
@@ -146,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     writer = distributed.is_writer()
     try:
         cfg, problems = ev.resolve(
-            model=model, task=args.task, data=args.data, methods=args.methods, budgets=args.budgets,
+            model=model, task=task, data=args.data, methods=args.methods, budgets=args.budgets,
             buffer=args.buffer, value_slots=args.value_slots, samples=args.samples,
             max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
             tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous", kv_bits=args.kv_bits,
-            kv_protected=args.kv_protected,
+            kv_protected=args.kv_protected, kv_methods=args.kv_methods,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():
@@ -173,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if writer:
         ev.write_config(cfg, out)
+    if args.replay:
+        return _replay(ev, cfg, problems, out, mesh, multi)
     wanted = ev.wanted_keys(cfg, problems)
     todo = sum(not done for done in distributed.agree([k in store for k in wanted]))
     if todo and get_task(cfg.task).grader == "code":  # say once what the sandbox contains, and what not
@@ -188,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             try:
                 tokenizer = ev.load_tokenizer(cfg.model)
+                cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))
                 model = ev.load_model(cfg.model, cfg.dtype, mesh)
             except (ValueError, OSError) as e:
                 return fail(f"--model={cfg.model!r}: {e}".replace("\n", " "))
@@ -200,6 +235,33 @@ def main(argv: list[str] | None = None) -> int:
     summary = ev.write_summary(cfg, store, wanted, out)
     print(ev.markdown(summary))
     print(f"wrote {out}/summary.md, summary.json, accuracy_vs_budget.png, output_lengths.png, records.jsonl")
+    return 0
+
+
+def _replay(ev, cfg, problems, out: Path, mesh, multi: bool) -> int:
+    """--replay: `vase_jax.evaluation.replay_eval.run_replay` on one device; prints the table."""
+    from vase_jax.evaluation.replay_eval import run_replay
+
+    if mesh is not None or multi:
+        print(f"{PROG}: error: --replay runs on one device", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = ev.load_tokenizer(cfg.model)
+        cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))
+        model = ev.load_model(cfg.model, cfg.dtype)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: --model={cfg.model!r}: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
+    count = sum(m != "full" for m, _, kv in cfg.variants if kv == ev.BF16)
+    print(f"{PROG}: replay of {len(problems)} problems x {count} variants -> {out}/replay.md", file=sys.stderr)
+    t0 = time.perf_counter()
+
+    def progress(row: dict) -> None:
+        print(f"  {row['method']}@{row['budget']}: KL {row['kl']:.4f}, top-1 {100 * row['agree']:.1f}% "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+    run_replay(model, tokenizer, cfg, problems, out, progress)
+    print((out / "replay.md").read_text())
     return 0
 
 

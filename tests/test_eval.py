@@ -266,6 +266,9 @@ BAD_CASES = {
     "budget % buffer": (BASE + ["--methods", "rkv", "--budgets", "100", "--buffer", "64"],
                         "multiple of buffer"),
     "unknown method": (BASE + ["--methods", "full,nope"], "'nope' is not a known method"),
+    "misspelt method": (BASE + ["--methods", "full,vase_dvk"], "did you mean 'vase_dkv'?"),
+    "misspelt task": (["--random-model", "tiny", "--task", "gsm8"], "did you mean 'gsm8k'?"),
+    "task needed with a model": (["--random-model", "tiny"], "--task is required with --model"),
     "no weights": (["--model", "{root}/no_weights", "--task", "gsm8k"], "has no weights"),
     "not a model": (["--model", "./nowhere", "--task", "gsm8k"], "not an existing folder"),
     "budget not int": (BASE + ["--budgets", "512,abc"], "--budgets"),
@@ -315,6 +318,10 @@ def test_resume_refuses_changed_settings(tmp_path, capsys):
 
     cfg, _ = ev.resolve(model="random:tiny", task="gsm8k", limit=2)
     ev.write_config(cfg, tmp_path)
+    # a folder whose run stopped before its first record binds nothing: another model may take it
+    assert ev.check_resume(ev.resolve(model="random:tiny", task="gsm8k", limit=2, temperature=0.7)[0],
+                           tmp_path) is None
+    (tmp_path / "records.jsonl").write_text('{"problem_id": "0"}\n')
     script = _load_script()
     rc = script.main(["--random-model", "tiny", "--task", "gsm8k", "--limit", "2", "--temperature", "0.7",
                       "--out", str(tmp_path)])

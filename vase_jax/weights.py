@@ -77,15 +77,49 @@ def hf_key_map(cfg: Qwen3Config) -> dict[str, Entry]:
     return table
 
 
+HUB_PROBE_SECONDS = 3.0  # how long `resolve_checkpoint` waits for the hub before it uses the local cache alone
+
+
 def resolve_checkpoint(path_or_hub_id: str, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub id downloaded (config, safetensors, tokenizer files) to the HF cache."""
+    """A local folder as is; otherwise a hub id downloaded (config, safetensors, tokenizer files) to the HF cache.
+
+    Offline (`HF_HUB_OFFLINE=1`, or the hub not answering a connection within `HUB_PROBE_SECONDS`) the local HF
+    cache alone is read, so an unreachable hub costs seconds, not the client's minute of retries; a model found
+    nowhere is a ValueError that names the ways to run without the hub."""
     path = Path(path_or_hub_id).expanduser()
     if path.is_dir():
         return path
     if path.exists() or str(path_or_hub_id).startswith((".", "/", "~")) or str(path_or_hub_id).count("/") != 1:
         raise ValueError(f"model path {path_or_hub_id!r} is not a folder and not a hub id of the form 'org/name'")
-    return Path(snapshot_download(str(path_or_hub_id), revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "merges.txt", "vocab.json"]))
+    offline = _hub_offline()
+    try:
+        return Path(snapshot_download(str(path_or_hub_id), revision=revision, local_files_only=offline,
+                                      allow_patterns=["*.json", "*.safetensors", "merges.txt", "vocab.json"]))
+    except Exception as e:  # the hub client's errors: no connection, not cached, no such repo, no access
+        where = "the hub is not reachable and it is not in the local Hugging Face cache" if offline else (
+            f"the Hugging Face hub answered {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        raise ValueError(
+            f"{path_or_hub_id!r} could not be loaded: {where}. Without the hub: pass a local folder that holds "
+            "config.json and *.safetensors (and the tokenizer files), set HF_HUB_OFFLINE=1 to read the cache only, "
+            "or run the packaged model (`python scripts/eval.py` with no --model)") from None
+
+
+def _hub_offline() -> bool:
+    """True when `HF_HUB_OFFLINE` is set or the hub's endpoint takes no TCP connection within HUB_PROBE_SECONDS."""
+    import socket  # noqa: PLC0415 (only hub ids need it)
+    from urllib.parse import urlparse  # noqa: PLC0415
+
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=HUB_PROBE_SECONDS):
+            return False
+    except OSError:
+        return True
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

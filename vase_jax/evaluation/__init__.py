@@ -8,6 +8,7 @@ from vase_jax.evaluation.config import BF16, RESULT_FIELDS, EvalConfig, check_re
 from vase_jax.evaluation.records import RecordStore, make_record, problem_key, record_key, stable_id
 from vase_jax.evaluation.report import markdown, summarize, write_summary
 from vase_jax.evaluation.runner import (
+    end_tokens,
     load_model,
     load_tokenizer,
     plan,
@@ -21,6 +22,7 @@ __all__ = [
     "EvalConfig",
     "RecordStore",
     "check_resume",
+    "end_tokens",
     "load_model",
     "load_tokenizer",
     "make_record",

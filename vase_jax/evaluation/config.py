@@ -22,6 +22,7 @@ from vase_jax.kvquant import KVBits
 from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
 from vase_jax.tasks.livecodebench import packaged_prompts
+from vase_jax.tasks.registry import suggest
 from vase_jax.tiers import tier_layout
 from vase_jax.weights import ORBAX_MARKER
 
@@ -65,14 +66,19 @@ class EvalConfig:
     # a variant of every (method, budget); and the 16-bit slots of a mixed-precision cache (None: the default).
     kv_bits: tuple[str, ...] = (BF16,)
     kv_protected: int | None = None
+    kv_methods: tuple[str, ...] | None = None  # the methods run with the mixed-precision settings (None: all)
+    eos_token_ids: tuple[int, ...] | None = None  # the model's end tokens (`runner.end_tokens`; None: Qwen3's)
     format: int = FORMAT
 
     @property
     def variants(self) -> tuple[tuple[str, int | None, str], ...]:
-        """(method, budget, kv_bits) in run order; `full` once per cache setting with budget None."""
+        """(method, budget, kv_bits) in run order; `full` once per cache setting with budget None. A
+        mixed-precision setting runs the methods of `kv_methods` only (all when None)."""
         out: list[tuple[str, int | None, str]] = []
         for kv in self.kv_bits:
             for m in self.methods:
+                if kv != BF16 and self.kv_methods is not None and m not in self.kv_methods:
+                    continue
                 out.extend([(m, None, kv)] if m == "full" else [(m, b, kv) for b in self.budgets])
         return tuple(out)
 
@@ -90,8 +96,9 @@ class EvalConfig:
         kv = KVBits.parse(kv_bits)
         quantized = dict(key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
                          kv_protected=self.kv_protected, kv_refine=kv.refine) if kv.quantizes else {}
+        ends = {} if self.eos_token_ids is None else {"eos_token_ids": tuple(self.eos_token_ids)}
         return GenerateConfig(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, **quantized)
+                              top_k=self.top_k, **quantized, **ends)
 
     def token_limits(self, prompt_len: int) -> tuple[int, int]:
         """(max_new_tokens passed to `generate`, exact output cap recorded) for a `prompt_len`-token prompt.
@@ -148,6 +155,11 @@ def data_sha256(task: Task, data: str | None) -> str:
     return hashlib.sha256(res.read_bytes()).hexdigest()
 
 
+def packaged_model_dir() -> Path:
+    """The trained model shipped with the package (`scripts/train.py`'s output; its task is `varchain`)."""
+    return Path(str(importlib.resources.files("vase_jax") / "data" / "models" / "varchain-qwen3"))
+
+
 def check_model(model: str) -> str:
     """Validate a --model value without loading it; return it normalized (local folders made absolute).
 
@@ -175,13 +187,13 @@ def check_model(model: str) -> str:
 
 def resolve(
     *, model: str, task: str, data: str | None = None, methods: tuple[str, ...] = ("full",),
-    budgets: tuple[int, ...] | None = None, buffer: int = 64, value_slots: int | None = None,
+    budgets: tuple[int, ...] | None = None, buffer: int | None = None, value_slots: int | None = None,
     samples: int | None = None, max_new_tokens: int | None = None, max_total_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
     tests_dir: str | None = None, scheduler: str = "continuous", kv_bits: tuple[str, ...] = (BF16,),
-    kv_protected: int | None = None,
+    kv_protected: int | None = None, kv_methods: tuple[str, ...] | None = None,
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -190,11 +202,15 @@ def resolve(
     t = get_task(task)
     if not methods:
         raise ValueError("--methods is empty; pass a comma list such as full,vase_attnv")
-    for m in methods:
-        if m not in METHODS and m != "full":
-            raise ValueError(f"--methods: {m!r} is not a known method; known: full, {', '.join(sorted(METHODS))}")
+    for flag, names in (("--methods", methods), ("--kv-methods", kv_methods or ())):
+        for m in names:
+            if m not in METHODS and m != "full":
+                raise ValueError(f"{flag}: {m!r} is not a known method{suggest(m, ['full', *METHODS])}; known: "
+                                 f"full, {', '.join(sorted(METHODS))}")
     methods = tuple(dict.fromkeys(methods))
-    budgets = tuple(dict.fromkeys(budgets)) if budgets else (t.budget,)
+    kv_methods = None if kv_methods is None else tuple(dict.fromkeys(kv_methods))
+    budgets = tuple(dict.fromkeys(budgets)) if budgets else t.budgets
+    buffer = t.buffer if buffer is None else buffer
     for b in budgets:
         _positive("budgets", b)
     if scheduler not in SCHEDULERS:
@@ -237,9 +253,9 @@ def resolve(
         max_total_tokens=max_total_tokens or t.max_total_tokens,
         temperature=t.temperature if temperature is None else float(temperature),
         top_p=t.top_p if top_p is None else float(top_p), top_k=t.top_k if top_k is None else top_k,
-        batch_size=batch_size or samples, limit=t.num_problems if limit is None else limit,
+        batch_size=batch_size or t.batch_size or samples, limit=t.num_problems if limit is None else limit,
         seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text, scheduler=scheduler,
-        kv_bits=kv_bits, kv_protected=kv_protected,
+        kv_bits=kv_bits, kv_protected=kv_protected, kv_methods=kv_methods,
     )
     try:
         cfg.generate_config(cfg.max_new_tokens or 1).validate()
@@ -265,6 +281,9 @@ def resolve(
 def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
     """Refuse an output folder written under settings that change results; name the first differing field."""
     saved_file = out_dir / "config.json"
+    records = out_dir / "records.jsonl"
+    if saved_file.exists() and (not records.exists() or records.stat().st_size == 0):
+        return  # a run that stopped before its first record (a model that did not load) binds nothing
     if not saved_file.exists():
         if (out_dir / "records.jsonl").exists():
             raise ValueError(f"{out_dir}: records.jsonl without config.json; use a new --out")

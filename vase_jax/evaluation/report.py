@@ -129,7 +129,7 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = [r for r in summary["results"] if "pass_at_1" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
         if r["budget"] is None:
             ax.axhline(100 * r["pass_at_1"], color="black", ls="--", label=_label(r))
@@ -145,9 +145,10 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
         ax.minorticks_off()
     ax.set_xlabel("KV budget N (tokens)")
     ax.set_ylabel("pass@1 (%)")
+    ax.set_ylim(0, 100)  # an error bar past 0 or 100 is cut, not the axis stretched
     ax.set_title(f"{summary['task']}: accuracy vs KV budget")
     if rows:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     paths = [out_dir / "accuracy_vs_budget.png"]
     fig.savefig(paths[0], dpi=120)
@@ -159,14 +160,19 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
         if rec is not None:
             lengths[method_label(key[2], key[4])][key[3]].append(rec["tokens"])
     methods = list(lengths)
-    fig, axes = plt.subplots(1, max(1, len(methods)), figsize=(4 * max(1, len(methods)), 3.2), squeeze=False)
-    for ax, m in zip(axes[0], methods, strict=False):
+    cols = min(4, max(1, len(methods)))
+    grid = max(1, -(-len(methods) // cols))
+    fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.2 * grid), squeeze=False)
+    for ax in axes.flat[len(methods):]:
+        ax.set_visible(False)
+    for ax, m in zip(axes.flat, methods, strict=False):
         for budget, vals in sorted(lengths[m].items(), key=lambda kv: kv[0] or 0):
             ax.hist(vals, bins=20, histtype="step", label="full" if budget is None else f"N={budget}")
         ax.set_title(m)
         ax.set_xlabel("output tokens")
         ax.legend(fontsize=7)  # every method here has at least one record
-    axes[0][0].set_ylabel("samples")
+    for row in axes:
+        row[0].set_ylabel("samples")
     fig.tight_layout()
     paths.append(out_dir / "output_lengths.png")
     fig.savefig(paths[1], dpi=120)

@@ -20,6 +20,7 @@ Code tasks (livecodebench) are graded by running each sample's code on the probl
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from vase_jax.evaluation.records import Key, RecordStore, make_record, problem_k
 from vase_jax.random_model import HEAD_SCALE, random_model
 from vase_jax.sharding import shard_model
 from vase_jax.tasks import Problem, get_task
+from vase_jax.weights import resolve_checkpoint
 
 
 def load_model(model: str, dtype: str, mesh=None):
@@ -41,13 +43,30 @@ def load_model(model: str, dtype: str, mesh=None):
     output head scaled by `HEAD_SCALE` so that its next-token distribution is peaked like a trained model's and
     top-p keeps few tokens). `mesh`: sharded over it (`vase_jax.sharding`), so that `generate` runs on it."""
     if not model.startswith(RANDOM_PREFIX):
-        return vj.Qwen3.from_pretrained(model, dtype=getattr(jnp, dtype), mesh=mesh)
+        return vj.Qwen3.from_pretrained(str(resolve_checkpoint(model)), dtype=getattr(jnp, dtype), mesh=mesh)
     built = random_model(RANDOM_MODELS[model[len(RANDOM_PREFIX):]], getattr(jnp, dtype), head_scale=HEAD_SCALE)
     return built if mesh is None else shard_model(built, mesh)
 
 
+def end_tokens(model: str) -> tuple[int, ...] | None:
+    """The end-of-sequence ids of `model`: its generation_config.json's `eos_token_id` (one or a list), else its
+    config.json's; None (Qwen3's, `GenerateConfig`'s default) for a random model or a folder that names none."""
+    if model.startswith(RANDOM_PREFIX):
+        return None
+    folder = resolve_checkpoint(model)
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return None
+
+
 def load_tokenizer(model: str):
-    return vj.load_tokenizer(None if model.startswith(RANDOM_PREFIX) else model)
+    """The model's tokenizer (a hub id is fetched once, with its weights, by `resolve_checkpoint`); the packaged
+    Qwen3 tokenizer for a random model."""
+    return vj.load_tokenizer(None if model.startswith(RANDOM_PREFIX) else str(resolve_checkpoint(model)))
 
 
 @dataclasses.dataclass(frozen=True)
