@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-queries", type=int,
                    help="with --kv-error: the last N positions of each sequence are the queries (default 256; "
                         "0: every position)")
+    p.add_argument("--kept-methods", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                   help="comma list of eviction methods: where the large-Range value tokens are, and the share of "
+                   "them each method keeps on the full cache's greedy traces (`vase_jax.analysis.kept`)")
+    p.add_argument("--kept-budget", type=int, help="budget N of --kept-methods (default: the task's)")
+    p.add_argument("--kept-problems", type=int, default=32, help="traces of --kept-methods (default 32)")
     p.add_argument("--out", help="output folder (default: runs/analyze/<task>/<model name>)")
     return p
 
@@ -152,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             if g < 1:
                 raise ValueError(f"--groups: {g} must be a positive integer")
         kv = kv_options(args, _head_dim(model_name))
+        from vase_jax.eviction import METHODS
+        from vase_jax.tasks.registry import suggest
+
+        for m in args.kept_methods or ():
+            if m not in METHODS:
+                raise ValueError(f"--kept-methods: {m!r} is not an eviction method{suggest(m, METHODS)}; known: "
+                                 f"{', '.join(sorted(METHODS))}")
+        if args.kept_budget is not None and args.kept_budget < 1:
+            raise ValueError(f"--kept-budget={args.kept_budget} must be an integer >= 1")
     except ValueError as e:
         return fail(str(e))
     out = Path(args.out) if args.out else Path("runs") / "analyze" / cfg.task / re.sub(
@@ -176,11 +190,34 @@ def main(argv: list[str] | None = None) -> int:
             kv = kv_options(args, head_dim)  # a hub model's head_dim is known once it is loaded
         except ValueError as e:
             return fail(str(e))
+    cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))  # the model's own end tokens
     summary = run(model, tokenizer, cfg, problems, configs, args.sinks, out, kv)
+    if args.kept_methods:
+        summary["kept"] = kept_report(model, tokenizer, cfg, problems, args, out)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(Path(out / "summary.md").read_text())
     print(f"wrote {out}/summary.md, summary.json, pearson_per_layer.png, range_per_layer.png, mse_vs_range.png "
           f"({summary['samples']} samples)")
     return 0
+
+
+def kept_report(model, tokenizer, cfg, problems, args, out: Path) -> dict:
+    """--kept-methods: `vase_jax.analysis.kept.kept_vs_range` on the first --kept-problems traces, appended to
+    summary.md."""
+    import vase_jax as vj
+    from vase_jax.analysis.kept import kept_vs_range, markdown
+    from vase_jax.tasks import get_task
+
+    task = get_task(cfg.task)
+    chosen = problems[:args.kept_problems]
+    batch = vj.encode_prompts(tokenizer, [task.build_prompt(p.question) for p in chosen])
+    budget = args.kept_budget or task.budget
+    new_tokens, _ = cfg.token_limits(int(batch.lengths.max()))
+    report = kept_vs_range(model, batch, tokenizer, args.kept_methods, budget, task.buffer, new_tokens,
+                           cfg.eos_token_ids or vj.GenerateConfig().eos_token_ids, sinks=args.sinks, seed=cfg.seed)
+    with open(out / "summary.md", "a") as fh:
+        fh.write("\n" + markdown(report) + "\n")
+    return report
 
 
 def run(model, tokenizer, cfg, problems, configs, sinks: int, out: Path, kv: dict | None = None) -> dict:

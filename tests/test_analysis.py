@@ -178,3 +178,23 @@ def test_analyze_random_model_smoke_run(tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert script.main(["--random-model", "tiny", "--bits", "9", "--out", str(out)]) == 2
     assert "--bits: 9 must be in 1..8" in capsys.readouterr().err
+
+
+def test_kept_vs_range_counts_and_vase_protects_large_range(tokenizer):
+    """`analysis.kept`: every method keeps the same share of tokens (same slots per head); vase_attnv, which
+    protects the Nv largest Range(v) at every event, keeps more of the large-Range tokens than of all tokens."""
+    import vase_jax as vj
+    from vase_jax.analysis.kept import kept_vs_range, markdown
+    from vase_jax.random_model import HEAD_SCALE, TINY, random_model
+
+    model = random_model(TINY, jnp.float32, head_scale=HEAD_SCALE)
+    batch = vj.encode_prompts(tokenizer, ["What is 7 * 8?", "Name a prime number above 10."])
+    report = kept_vs_range(model, batch, tokenizer, ("snapkv", "vase_attnv"), budget=32, buffer=16,
+                           max_new_tokens=96, eos_token_ids=(), quantile=95.0)
+    shares = {r["method"]: r for r in report["kept"]}
+    assert shares["snapkv"]["kept_share_all"] == shares["vase_attnv"]["kept_share_all"] < 0.5
+    assert shares["vase_attnv"]["kept_share_large"] > shares["vase_attnv"]["kept_share_all"]
+    where = report["where"]
+    assert where["large_tokens"] > 0 and abs(sum(where["by_kind"].values()) - 1) < 1e-9
+    assert 0 <= where["in_prompt"] <= 1 and len(report["thresholds"]) == TINY.num_layers
+    assert "| vase_attnv | 32 |" in markdown(report)
