@@ -121,3 +121,19 @@ def test_bad_input(model, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         replay(model, *prompts, args["reference"], args["lengths"], key=jax.random.key(0),
                eviction=args["eviction"], config=CONFIG)
+
+
+def test_a_pad_id_past_the_vocabulary_pads_with_a_real_token(model, prompts):
+    """Qwen3's end tokens (the default pad) lie past a small vocabulary: the prompts' bucket padding must not
+    gather NaN embeddings (0 x NaN in the masked attention) in `generate` nor in `replay`."""
+    import dataclasses
+
+    ids, mask = prompts
+    ids, mask = ids[:, 4:], mask[:, 4:]  # 36 tokens: padded to the 64 bucket
+    outside = dataclasses.replace(CONFIG, pad_token_id=151645)
+    a = vj.generate(model, ids, mask, key=jax.random.key(0), config=outside)
+    b = vj.generate(model, ids, mask, key=jax.random.key(0), config=dataclasses.replace(CONFIG, pad_token_id=0))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    got = replay(model, ids, mask, np.asarray(b.tokens), np.asarray(b.num_tokens), key=jax.random.key(0),
+                 eviction=vj.EvictionConfig("snapkv", budget=32, buffer=16), config=outside)
+    assert np.isfinite(np.asarray(got.kl)).all() and np.isfinite(np.asarray(got.nll)).all()

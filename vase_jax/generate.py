@@ -329,7 +329,7 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         b = 2
     t = config.bucket(t_in)
     if t > t_in:  # left-pad to the bucket so that prompts of nearby lengths share one compiled program
-        input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=config.pad_id)
+        input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=prompt_pad_id(config, model.cfg))
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
     capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
     if config.kv_bits.quantizes:  # a mixed-precision cache: its layout (validated) instead of one capacity
@@ -350,6 +350,13 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     graphdef, state = nnx.split(model)
     return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, target,
             mesh)
+
+
+def prompt_pad_id(config: GenerateConfig, cfg) -> int:
+    """The id that pads prompts to their bucket: `config.pad_id` when the model's vocabulary has it, else 0. The
+    padding is masked, but its embedding must be a number: an id past the vocabulary (Qwen3's end tokens, the
+    default, with a small-vocabulary model) gathers NaN, and 0 x NaN poisons the masked attention sums."""
+    return config.pad_id if 0 <= config.pad_id < cfg.vocab_size else 0
 
 
 def generate_tiers(cfg, config: GenerateConfig, eviction: EvictionConfig, prompt_slots: int) -> TierLayout:

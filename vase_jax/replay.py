@@ -28,7 +28,15 @@ from flax import nnx, struct
 from vase_jax.cache import KVCache, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, decode_step, generate_target, prefill, query_window, split_keys
+from vase_jax.generate import (
+    GenerateConfig,
+    decode_step,
+    generate_target,
+    prefill,
+    prompt_pad_id,
+    query_window,
+    split_keys,
+)
 from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
@@ -84,7 +92,8 @@ def replay(model: Qwen3, input_ids, attention_mask, reference, lengths, *, key: 
     target = generate_target(model, config)
     t = config.bucket(input_ids.shape[1])
     if t > input_ids.shape[1]:
-        input_ids = jnp.pad(input_ids, ((0, 0), (t - input_ids.shape[1], 0)), constant_values=config.pad_id)
+        input_ids = jnp.pad(input_ids, ((0, 0), (t - input_ids.shape[1], 0)),
+                            constant_values=prompt_pad_id(config, model.cfg))
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - attention_mask.shape[1], 0)))
     key = typed_key(jnp.asarray(key) if not isinstance(key, jax.Array) else key)
     row_ids = jnp.arange(b, dtype=jnp.int32) if row_ids is None else jnp.asarray(row_ids, jnp.int32)
@@ -109,7 +118,7 @@ def _distribution_stats(logits: jax.Array, full_logits: jax.Array, token: jax.Ar
     """[batch] stats of one position from the two caches' logits [batch, vocab] and the reference token."""
     q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p = jax.nn.log_softmax(full_logits.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(p) * (p - q), axis=-1)
+    kl = jnp.sum(jnp.where(p == -jnp.inf, 0.0, jnp.exp(p) * (p - q)), axis=-1)  # 0 log 0 = 0
     pick = token[:, None]
     return {"kl": jnp.maximum(kl, 0.0), "agree": (q.argmax(-1) == p.argmax(-1)).astype(jnp.float32),
             "nll": -jnp.take_along_axis(q, pick, axis=-1)[:, 0],
@@ -145,14 +154,23 @@ def _replay(graphdef, state, input_ids, attention_mask, reference, lengths, key,
         now = _distribution_stats(logits, full_logits, jnp.take_along_axis(reference, column[:, None], axis=1)[:, 0])
         where = jnp.where(active, s.num_tokens, width)  # inactive rows write nothing (out of range: dropped)
         stats = {n: s.stats[n].at[rows, where].set(now[n], mode="drop") for n in s.stats}
-        # eviction exactly where `generate`'s loop runs it: after a step, for the rows whose trigger fires
-        cache = framework.evict(cache, eviction, evict_key, row_ids, impl)
         return _State(cache=cache, full=full, num_tokens=s.num_tokens + active.astype(jnp.int32), start=s.start,
                       step=s.step + 1, stats=stats)
 
+    # As `generate.decode_loop`: steps run in an inner loop that exits when a row's trigger fires (checked after a
+    # step, never right after the prefill or an event); the outer loop evicts those rows. No eviction code runs
+    # inside the per-step body (XLA would carry the cache through it and copy it at every step).
+    def segment(s: _State) -> _State:
+        def more(c):
+            s, first = c
+            return running(s) & (first | ~framework.rows_to_evict(s.cache, eviction).any())
+
+        s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
+        return dataclasses.replace(s, cache=framework.evict(s.cache, eviction, evict_key, row_ids, impl))
+
     s = _State(cache=cache, full=full, num_tokens=jnp.ones((b,), jnp.int32), start=start, step=jnp.int32(0),
                stats=stats)
-    s = jax.lax.while_loop(running, step, s)
+    s = jax.lax.while_loop(running, segment, s)
     valid = jnp.arange(width)[None, :] < lengths[:, None]
     kept = {n: jnp.where(valid, s.stats[n], 0.0) for n in ("kl", "nll", "nll_full")}
     return ReplayOutput(**kept, agree=valid & (s.stats["agree"] > 0), valid=valid, row_evictions=s.cache.evictions,

@@ -63,7 +63,8 @@ def run_replay(model, tokenizer, cfg: EvalConfig, problems: list[Problem], out_d
     todo = [v for v in variants if v not in done]
     if todo:
         refs = references(model, tokenizer, cfg, problems)
-        config = vj.GenerateConfig(temperature=0.0)
+        config = vj.GenerateConfig(temperature=0.0, **({} if cfg.eos_token_ids is None
+                                                       else {"eos_token_ids": cfg.eos_token_ids}))
         for method, budget in todo:
             parts = []
             for batch, tokens, lengths, idx in refs:
