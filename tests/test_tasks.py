@@ -57,7 +57,7 @@ def test_registry_defaults_follow_spec_section_6():
     for task in TASKS.values():
         assert task.value_slots == task.budget // 4
         if task.name == "varchain":  # the packaged model's task: greedy, its own budgets and buffer
-            assert (task.temperature, task.top_p, task.samples, task.buffer) == (0.0, 1.0, 1, 16)
+            assert (task.temperature, task.top_p, task.samples, task.buffer) == (0.0, 1.0, 1, 32)
             assert task.budget in task.budgets and task.max_total_tokens == 512
             continue
         assert (task.temperature, task.top_p, task.top_k, task.buffer) == (0.6, 0.95, 0, 64)

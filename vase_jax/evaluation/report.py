@@ -132,7 +132,7 @@ def plot(summary: dict, store: RecordStore, wanted: list[Key], out_dir: Path) ->
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
         if r["budget"] is None:
-            ax.axhline(100 * r["pass_at_1"], color="black", ls="--", label=_label(r))
+            ax.axhline(100 * r["pass_at_1"], color="black", ls="--", lw=1.5, clip_on=False, label=_label(r))
     for m in dict.fromkeys(_label(r) for r in rows if r["budget"] is not None):
         pts = sorted((r["budget"], 100 * r["pass_at_1"], 100 * (r["se"] or 0.0)) for r in rows
                      if _label(r) == m and r["budget"] is not None)
