@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "packaged varchain model)")
     src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
                      help="a tiny random Qwen3 built in memory (offline smoke runs; answers are noise)")
-    p.add_argument("--task", help="varchain (the default with the packaged model), gsm8k, math500, aime24/25/26, hmmt25, amc, minerva, "
+    p.add_argument("--task", help="varchain (the default with the packaged model), gsm8k, math500, aime24/25/26, "
+                   "hmmt25, amc, minerva, "
                    "olympiadbench, gpqa (gpqa needs --data), livecodebench (needs --data or --tests-dir)")
     p.add_argument("--data", help="JSONL file in the task's format instead of the packaged set (livecodebench: "
                    "the official release file, or the authors' test.jsonl with --tests-dir)")

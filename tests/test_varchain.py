@@ -128,7 +128,10 @@ def test_logits_match_hf_float32(model, heldout):
     assert np.abs(ref).max() > 1.0  # a trained head: far from trivially equal
 
 
-def _generate(model, batch, tok, eviction=vj.EvictionConfig("full"), key=0):
+FULL = vj.EvictionConfig("full")
+
+
+def _generate(model, batch, tok, eviction=FULL, key=0):
     out = vj.generate(model, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask),
                       key=jax.random.key(key), config=vj.GenerateConfig(max_new_tokens=320, temperature=0.0,
                                                                         eos_token_ids=(tok.eos_token_id,)),
