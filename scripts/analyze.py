@@ -213,8 +213,8 @@ def kept_report(model, tokenizer, cfg, problems, args, out: Path) -> dict:
     batch = vj.encode_prompts(tokenizer, [task.build_prompt(p.question) for p in chosen])
     budget = args.kept_budget or task.budget
     new_tokens, _ = cfg.token_limits(int(batch.lengths.max()))
-    report = kept_vs_range(model, batch, tokenizer, args.kept_methods, budget, task.buffer, new_tokens,
-                           cfg.eos_token_ids or vj.GenerateConfig().eos_token_ids, sinks=args.sinks, seed=cfg.seed)
+    report = kept_vs_range(model, batch, tokenizer, args.kept_methods, budget, task.buffer,
+                           cfg.generate_config(new_tokens), sinks=args.sinks, seed=cfg.seed)
     with open(out / "summary.md", "a") as fh:
         fh.write("\n" + markdown(report) + "\n")
     return report

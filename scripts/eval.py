@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="16-bit slots of a mixed-precision cache kept for their Range(v) (default: Nv with "
                    "vase_attnv and the range_* methods, 0 with the other evicting methods, a quarter of the cache "
                    "without eviction)")
-    p.add_argument("--buffer", type=int, help="eviction buffer / period B (default: the task's, 64; varchain 16)")
+    p.add_argument("--buffer", type=int, help="eviction buffer / period B (default: the task's, 64; varchain 32)")
     p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")
     p.add_argument("--samples", type=int, help="samples R per problem (default: the task's)")
     p.add_argument("--max-new-tokens", type=int,
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
               f"variants; {len(wanted) - todo} done, {todo} to go -> {out}", file=sys.stderr)
         try:
             try:
-                tokenizer = ev.load_tokenizer(cfg.model)
-                cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))
-                model = ev.load_model(cfg.model, cfg.dtype, mesh)
+                tokenizer, cfg, model = _load(ev, cfg, mesh)
             except (ValueError, OSError) as e:
                 return fail(f"--model={cfg.model!r}: {e}".replace("\n", " "))
             _run_with_progress(ev, model, tokenizer, cfg, problems, store, wanted)
@@ -239,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _load(ev, cfg, mesh):
+    """(tokenizer, cfg with the model's own end tokens, model): a hub id is fetched once, by the tokenizer."""
+    tokenizer = ev.load_tokenizer(cfg.model)
+    cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))
+    return tokenizer, cfg, ev.load_model(cfg.model, cfg.dtype, mesh)
+
+
 def _replay(ev, cfg, problems, out: Path, mesh, multi: bool) -> int:
     """--replay: `vase_jax.evaluation.replay_eval.run_replay` on one device; prints the table."""
     from vase_jax.evaluation.replay_eval import run_replay
@@ -247,9 +252,7 @@ def _replay(ev, cfg, problems, out: Path, mesh, multi: bool) -> int:
         print(f"{PROG}: error: --replay runs on one device", file=sys.stderr)
         return 2
     try:
-        tokenizer = ev.load_tokenizer(cfg.model)
-        cfg = dataclasses.replace(cfg, eos_token_ids=ev.end_tokens(cfg.model))
-        model = ev.load_model(cfg.model, cfg.dtype)
+        tokenizer, cfg, model = _load(ev, cfg, None)
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: --model={cfg.model!r}: {e}".replace("\n", " "), file=sys.stderr)
         return 2

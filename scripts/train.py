@@ -127,27 +127,38 @@ def encode_batch(chains) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "targets": targets, "weights": weights}
 
 
-def heldout_exact(params, graphdef, loss_fn, count: int = 32) -> float:
+def heldout_chains(limit: int | None = None):
+    """The packaged held-out problems as `varchain.Chain`s (their seeds and lengths from the JSONL)."""
+    from vase_jax.tasks import varchain as vc
+    from vase_jax.tasks.datasets import load_problems
+
+    return [vc.problem(int(p.id.split("-")[1]), vc.DEFAULT_STEPS, "heldout")
+            for p in load_problems("varchain", limit=limit)]
+
+
+def heldout_exact(params, graphdef, count: int = 32) -> float:
     """Share of the first `count` packaged held-out problems whose every completion token is the argmax of the
     teacher-forced logits (what greedy decoding with the full cache writes, up to ties)."""
+    batch = encode_batch(heldout_chains(count))
+    logits = np.asarray(forward_logits(graphdef, params, batch["tokens"]))
+    wrong = (logits.argmax(-1) != batch["targets"]) & (batch["weights"] > 0)
+    return float((~wrong.any(axis=1)).mean())
+
+
+def forward_logits(graphdef, params, tokens):
+    """The model's float32 logits [batch, T, vocab] over right-padded `tokens` [batch, T] (causal: the padding
+    after a row's end is never attended by its real tokens), with the platform's unrolled layer loop."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from vase_jax.target import Target
-    from vase_jax.tasks import varchain as vc
-    from vase_jax.tasks.datasets import load_problems
 
-    chains = [vc.problem(int(p.id.split("-")[1]), vc.DEFAULT_STEPS, "heldout")
-              for p in load_problems("varchain", limit=count)]
-    batch = encode_batch(chains)
-    model = nnx.merge(graphdef, params)
-    b, t = batch["tokens"].shape
+    b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, _ = model.forward(jnp.asarray(batch["tokens"]), positions, None,
-                              target=Target.make(jax.default_backend(), "unroll"))
-    wrong = (np.asarray(logits.argmax(-1)) != batch["targets"]) & (batch["weights"] > 0)
-    return float((~wrong.any(axis=1)).mean())
+    model = nnx.merge(graphdef, params)
+    return model.forward(jnp.asarray(tokens), positions, None,
+                         target=Target.make(jax.default_backend(), "unroll"))[0]
 
 
 # ---- model and step -----------------------------------------------------------------------------------------------
@@ -175,17 +186,9 @@ def make_step(graphdef, optimizer):
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
-
-    from vase_jax.target import Target
-
-    target = Target.make(jax.default_backend(), "unroll")
 
     def loss_fn(params, batch):
-        model = nnx.merge(graphdef, params)
-        b, t = batch["tokens"].shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        logits, _ = model.forward(batch["tokens"], positions, None, target=target)  # [batch, T, vocab]
+        logits = forward_logits(graphdef, params, batch["tokens"])  # [batch, T, vocab]
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]
         return (nll * batch["weights"]).sum() / batch["weights"].sum()
 
@@ -194,7 +197,7 @@ def make_step(graphdef, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1)), loss_fn
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def init_weights(cfg: TrainConfig, folder: Path, params):
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: --init {cfg.init}: {e}", file=sys.stderr)
             return 2
         opt_state = optimizer.init(params)
-    step_fn, _ = make_step(graphdef, optimizer)
+    step_fn = make_step(graphdef, optimizer)
     manager = _manager(out)
     start = 0
     if manager.latest_step() is not None:
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             if (step + 1) % args.save_every == 0 or step + 1 == end:
                 manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
                 manager.wait_until_finished()
-                exact = heldout_exact(params, graphdef, None)
+                exact = heldout_exact(params, graphdef)
                 log.write(json.dumps({"step": step + 1, "heldout_exact": exact}) + "\n")
                 log.flush()
                 bar.write(f"step {step + 1}: loss {loss:.4f}, held-out exact (teacher-forced, 32) {exact:.3f}")
@@ -422,9 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                 "final_loss_mean_of_50": float(np.mean([r["loss"] for r in losses[-50:]])) if losses else None}
         export(nnx.merge(graphdef, params), cfg, Path(args.export), meta)
         from vase_jax.tasks import varchain as vc
-        from vase_jax.tasks.datasets import load_problems
 
-        heldout = [vc.problem(int(p.id.split("-")[1]), vc.DEFAULT_STEPS, "heldout") for p in load_problems("varchain")]
+        heldout = heldout_chains()
         fresh = [vc.problem(seed, vc.DEFAULT_STEPS, "fresh") for seed in range(200)]
         meta |= {"heldout_accuracy": greedy_accuracy(Path(args.export), heldout),
                  "fresh_accuracy": greedy_accuracy(Path(args.export), fresh),

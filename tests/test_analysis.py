@@ -190,7 +190,7 @@ def test_kept_vs_range_counts_and_vase_protects_large_range(tokenizer):
     model = random_model(TINY, jnp.float32, head_scale=HEAD_SCALE)
     batch = vj.encode_prompts(tokenizer, ["What is 7 * 8?", "Name a prime number above 10."])
     report = kept_vs_range(model, batch, tokenizer, ("snapkv", "vase_attnv"), budget=32, buffer=16,
-                           max_new_tokens=96, eos_token_ids=(), quantile=95.0)
+                           config=vj.GenerateConfig(max_new_tokens=96, eos_token_ids=()), quantile=95.0)
     shares = {r["method"]: r for r in report["kept"]}
     assert shares["snapkv"]["kept_share_all"] == shares["vase_attnv"]["kept_share_all"] < 0.5
     assert shares["vase_attnv"]["kept_share_large"] > shares["vase_attnv"]["kept_share_all"]

@@ -11,6 +11,7 @@ per head for every method: a method that ignored Range would keep both shares eq
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
@@ -30,11 +31,10 @@ def _token_kind(text: str) -> str:
 
 
 def kept_vs_range(model, batch: vj.PromptBatch, tokenizer, methods: tuple[str, ...], budget: int, buffer: int,
-                  max_new_tokens: int, eos_token_ids: tuple[int, ...], quantile: float = 99.0, sinks: int = 4,
-                  seed: int = 0) -> dict:
-    """The report described in the module docstring, as a dict (JSON-ready)."""
-    config = vj.GenerateConfig(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos_token_ids,
-                               return_cache=True)
+                  config: vj.GenerateConfig, quantile: float = 99.0, sinks: int = 4, seed: int = 0) -> dict:
+    """The report described in the module docstring, as a dict (JSON-ready). `config`: the traces' length and
+    end tokens (they are decoded greedily whatever its sampling settings)."""
+    config = dataclasses.replace(config, temperature=0.0, return_cache=True)
     full = vj.generate(model, batch.input_ids, batch.attention_mask, key=jax.random.key(seed), config=config)
     tokens, lengths = np.asarray(full.tokens), np.asarray(full.num_tokens)
     v = np.asarray(full.cache.v, np.float32)  # [layers, batch, kv_heads, capacity, head_dim]
@@ -62,35 +62,25 @@ def kept_vs_range(model, batch: vj.PromptBatch, tokenizer, methods: tuple[str, .
              "in_prompt": prompt_share / count, "in_first_sinks": sink_share / count, "sinks": sinks,
              "all_by_kind": _kinds_of_all(texts)}
 
+    valid = pos >= 0
     kept_rows = []
     for method in methods:
         eviction = vj.EvictionConfig(method, budget=budget, buffer=buffer)
         out = replay(model, batch.input_ids, batch.attention_mask, tokens, lengths, key=jax.random.key(seed),
-                     eviction=eviction, config=vj.GenerateConfig(temperature=0.0), return_cache=True)
-        kept_pos = np.asarray(out.cache.pos)  # [layers, batch, kv_heads, evicting capacity]
-        kept_large = kept_all = total_large = total_all = 0
-        per_layer = []
-        for layer in range(layers):
-            layer_large = layer_kept_large = 0
-            for r in range(pos.shape[1]):
-                for h in range(pos.shape[2]):
-                    held = set(kept_pos[layer, r, h][kept_pos[layer, r, h] >= 0].tolist())
-                    valid = pos[layer, r, h] >= 0
-                    positions = pos[layer, r, h][valid]
-                    is_large = large[layer, r, h][valid]
-                    kept = np.isin(positions, list(held))
-                    kept_all += int(kept.sum())
-                    total_all += int(valid.sum())
-                    kept_large += int((kept & is_large).sum())
-                    total_large += int(is_large.sum())
-                    layer_large += int(is_large.sum())
-                    layer_kept_large += int((kept & is_large).sum())
-            per_layer.append(layer_kept_large / layer_large if layer_large else None)
-        kept_rows.append({"method": method, "budget": budget, "kept_share_all": kept_all / total_all,
-                          "kept_share_large": kept_large / total_large if total_large else None,
-                          "kept_share_large_per_layer": per_layer})
+                     eviction=eviction, config=config, return_cache=True)
+        held = np.asarray(out.cache.pos)  # [layers, batch, kv_heads, evicting capacity], -1 = empty
+        # a full-cache entry is kept when its position is among the evicting cache's (same layer, row and head)
+        kept = valid & (pos[..., :, None] == np.where(held >= 0, held, -2)[..., None, :]).any(-1)
+        kept_rows.append({"method": method, "budget": budget, "kept_share_all": _share(kept, valid),
+                          "kept_share_large": _share(kept & large, large),
+                          "kept_share_large_per_layer": [_share(kept[i] & large[i], large[i]) for i in range(layers)]})
     return {"quantile": quantile, "thresholds": thresholds.tolist(), "where": where, "kept": kept_rows,
             "traces": int(tokens.shape[0]), "mean_trace_tokens": float(lengths.mean())}
+
+
+def _share(part: np.ndarray, whole: np.ndarray) -> float | None:
+    """part.sum() / whole.sum() as a float; None when `whole` is empty."""
+    return float(part.sum() / whole.sum()) if whole.any() else None
 
 
 def _kinds_of_all(texts: list[list[str]]) -> dict[str, float]:

@@ -10,6 +10,7 @@ DIR/replay.md and DIR/replay.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -39,8 +40,7 @@ def references(model, tokenizer, cfg: EvalConfig, problems: list[Problem]) -> li
         padded = idx + [idx[-1]] * (cfg.rows - len(idx))
         batch = vj.encode_prompts(tokenizer, [task.build_prompt(problems[i].question) for i in padded])
         gen_tokens, _ = cfg.token_limits(int(batch.lengths.max()))
-        config = vj.GenerateConfig(max_new_tokens=gen_tokens, temperature=0.0,
-                                   **({} if cfg.eos_token_ids is None else {"eos_token_ids": cfg.eos_token_ids}))
+        config = dataclasses.replace(cfg.generate_config(gen_tokens), temperature=0.0)  # greedy references
         result = vj.generate(model, batch.input_ids, batch.attention_mask, key=jax.random.key(cfg.seed),
                              config=config, row_ids=np.asarray(padded, np.int32))
         out.append((batch, np.asarray(result.tokens), np.asarray(result.num_tokens), idx))
@@ -63,8 +63,7 @@ def run_replay(model, tokenizer, cfg: EvalConfig, problems: list[Problem], out_d
     todo = [v for v in variants if v not in done]
     if todo:
         refs = references(model, tokenizer, cfg, problems)
-        config = vj.GenerateConfig(temperature=0.0, **({} if cfg.eos_token_ids is None
-                                                       else {"eos_token_ids": cfg.eos_token_ids}))
+        config = cfg.generate_config(1)  # the model's end tokens (pad id); replay sets the length itself
         for method, budget in todo:
             parts = []
             for batch, tokens, lengths, idx in refs:
