@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_tuning import DecodeParams, decode_params
-from pallas_kernels.dispatch import is_power_of_2, next_power_of_2, triton_params
+from pallas_kernels.dispatch import is_power_of_2, next_power_of_2, pairwise_sum, triton_params
 
 DEFAULT_BLOCK_SIZE = 64  # the reference's block, a block mask's granularity, and the capacity alignment of vase_jax
 _NEG = -1e30  # finite start for running maxima: exp(m_old - m_new) never sees inf - inf
@@ -522,7 +522,7 @@ def _reference_partials(q, k, v, pos, length, block_mask, layer=None, *, block_s
         p = jnp.exp(s - m_new[..., None])  # exactly 0 on invalid slots
         v_blk = jnp.where(valid[..., None], v_blk, 0.0)  # garbage (even NaN) in masked slots must not leak
         pv = jnp.einsum("bhgs,bhsd->bhgd", p, v_blk, precision=lax.Precision.HIGHEST)
-        return acc * correction[..., None] + pv, m_new, l * correction + p.sum(axis=-1)
+        return acc * correction[..., None] + pv, m_new, l * correction + pairwise_sum(p)[..., 0]
 
     def body(state):
         i, carry = state

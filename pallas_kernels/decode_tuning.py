@@ -19,6 +19,11 @@ heads is already ~8 programs per SM on an H200), and no split is given fewer tha
 slots is not spread thin. The static count depends on the capacity only through that bound, which never changes
 which splits hold which blocks: two caches of different capacities holding the same slots compute bit-identically.
 
+Batch invariance (`fixed_splits()`, a context read while tracing; `vase_jax.generate` enters it when
+`GenerateConfig.batch_invariant` is on): the rule then counts `INVARIANT_BATCH` rows whatever the call's batch, so a
+row's blocks are dealt to the same splits, and merged in the same order, in a batch of 1 or 128; the price is more
+partials to merge at large batches and fewer programs at small ones (the device check's invariance phase times it).
+
 Device kind (`current_device_kind()`, read while tracing): the abstract GPU of the current abstract mesh when
 there is one (a deliberate target: `pallas_kernels.dispatch.lowering_target` installs it on a host without a GPU),
 else the attached GPU's, else `DEFAULT_DEVICE_KIND` (an H200: the project's target). The SM count: the attached
@@ -28,12 +33,27 @@ the H200's rows (`_family`), any other kind gets `GENERIC` with its own SM count
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 DEFAULT_DEVICE_KIND = "NVIDIA H200"
+INVARIANT_BATCH = 16  # the rows the split rule counts under `fixed_splits()` (the table's rows were tuned at 16)
+_FIXED_SPLITS = contextvars.ContextVar("pallas_kernels_fixed_splits", default=False)
+
+
+@contextlib.contextmanager
+def fixed_splits(on: bool = True):
+    """While tracing inside it, `decode_params` picks the split count for `INVARIANT_BATCH` rows, not the call's
+    batch: a row's result does not depend on its batch's size (module docstring)."""
+    token = _FIXED_SPLITS.set(bool(on))
+    try:
+        yield
+    finally:
+        _FIXED_SPLITS.reset(token)
 FALLBACK_SM_COUNT = 128  # an unknown GPU: too many splits cost a few % (partials); too few leave SMs idle
 
 
@@ -227,7 +247,8 @@ def decode_params(
         entry = dataclasses.replace(entry, block_size=block_size)
     min_blocks = 1  # an explicit split count: the used blocks are dealt to that many splits (if there are enough)
     if num_splits is None:
-        num_splits = entry.splits_for(batch, kv_heads, capacity, sm_count(kind))
+        rows = INVARIANT_BATCH if _FIXED_SPLITS.get() else batch
+        num_splits = entry.splits_for(rows, kv_heads, capacity, sm_count(kind))
         min_blocks = entry.min_blocks_per_split
     return DecodeParams(
         block_size=entry.block_size,

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
@@ -137,3 +138,20 @@ def next_power_of_2(n: int) -> int:
 
 def is_power_of_2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in a fixed order (keepdims): zero-padded to a power of two d, then halves added
+    elementwise, s = ((x[:d/2] + x[d/2:])[:d/4] + ...). The order is the same for every row whatever the array's
+    shape. XLA:CPU vectorizes a reduce by the number of rows it holds (float32, jax 0.10.2, AMD EPYC: RMSNorm over
+    head_dim in a prefill's [batch, heads, seq, head_dim] gave a row other bits in a batch of 8 than in 2, 4 or 6;
+    the decode attention's softmax sums other bits at 2 rows than at 8); elementwise adds it computes one way, so
+    the pure-JAX paths that promise batch invariance (`vase_jax.invariance`) sum with this."""
+    d = x.shape[-1]
+    width = next_power_of_2(d)
+    if width != d:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x

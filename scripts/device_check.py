@@ -11,6 +11,9 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
   1. tests    the compiled kernel tests: tests/test_kernels.py and tests/test_kernels_generate.py without the
               interpret-mode classes (the kernels of this platform, compiled, against their references; `generate`
               with the kernels against the XLA path's greedy tokens)
+  1b. invariance  issue 42: `vase_jax.invariance`'s rule on the device (Qwen3-8B's matmul widths, bf16) and a
+              row's greedy tokens alone and in batches of 16 and 128 (Qwen3-0.6B's widths, 2 layers, bf16; full and
+              vase_dkv@128): identical or not; one call's time at 1 and 128 rows with batch invariance on and off
   2. sweep    the Triton decode kernel's launch parameters (`bench_kernels.sweep_decode`) on Qwen3-14B's and 8B's
               heads at batch 16 x 4k and 16k slots, 128 x 2k and 64 x 2080: each shape's GB/s with the table's
               parameters and with the best found, against the read bandwidth, and the table rows to paste into
@@ -67,8 +70,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
-CAPS = {"tests": 60, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 180, "lowering": 50,
-        "kernels": 40, "spread": 50}
+CAPS = {"tests": 60, "invariance": 90, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 180,
+        "lowering": 50, "kernels": 40, "spread": 50}
 # The workload phase: the rows of each method, planned beforehand on a CPU host with the H200's compiler (no
 # device time), for a device whose allocator may use 0.95 of its memory (`bench.py` sets
 # XLA_PYTHON_CLIENT_MEM_FRACTION), 141 GB less 5%:
@@ -403,6 +406,72 @@ def memory_peak(*, model: str = "qwen3-8b", layers: int | None = None, dtype: st
                 within=None if peak is None else peak <= weights + cache_b + (2 << 30))
 
 
+def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b", layers: int = 2,
+                     batches=(1, 16, 128), new_tokens: int = 256, deadline: float | None = None,
+                     json_path: str | None = None) -> dict:
+    """Issue 42 on this device: the probe's `RowRule` for `probe_model`'s widths in bf16 (and its seconds), then a
+    random bf16 model of `model`'s widths: row 0's greedy tokens in batches of `batches` rows (full and
+    vase_dkv@128, B = 32), each compared with the lone row's; one call's wall time at 1 row and at the largest
+    batch with `batch_invariant` on and off (the padding's cost; the fixed splits')."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import vase_jax as vj
+    from vase_jax import bench as vb
+    from vase_jax.invariance import probe_shapes
+    from vase_jax.random_model import random_params
+
+    result: dict = {"model": model, "layers": layers, "batches": list(batches), "new_tokens": new_tokens}
+
+    def save():
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=2)
+
+    big = vb.named_configs()[probe_model]
+    t0 = time.perf_counter()
+    rule = probe_shapes(hidden=big.hidden_size, q_dim=big.num_heads * big.head_dim,
+                        kv_dim=big.num_kv_heads * big.head_dim, mlp=big.intermediate_size, vocab=big.vocab_size,
+                        dtype=jnp.bfloat16)
+    result["probe"] = dict(seconds=time.perf_counter() - t0, min_rows=rule.min_rows, invariant=rule.invariant,
+                           describe=rule.describe(), differs={op: list(ms) for op, ms in rule.differs})
+    save()
+    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    qwen = vj.Qwen3.from_params(cfg, random_params(cfg, seed=0), jnp.bfloat16)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(batches), 64)).astype(np.int32)
+    result["rows"] = {}
+    for method in ("full", "vase_dkv"):
+        ev = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=128, buffer=32)
+        first = None
+        for batch in batches:
+            if deadline is not None and time.time() > deadline:
+                result["stopped"] = "deadline"
+                save()
+                return result
+            config = vj.GenerateConfig(max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=())
+            out = vj.generate(qwen, ids[:batch], np.ones_like(ids[:batch]), key=jax.random.key(0), config=config,
+                              eviction=ev)
+            tokens = np.asarray(out.tokens[0])
+            first = tokens if first is None else first
+            same = int(np.argmin(np.append(tokens == first, False)))  # the first differing step (new_tokens: none)
+            result["rows"][f"{method}@{batch}"] = dict(first_difference=same, identical=same == new_tokens)
+            save()
+    timings = {}
+    for rows in (1, max(batches)):  # the padding's cost (a lone row) and the fixed splits' (the largest batch)
+        for invariant in (True, False):
+            config = vj.GenerateConfig(max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=(),
+                                       batch_invariant=invariant)
+            for _ in range(2):  # the first call compiles, the second is timed
+                t0 = time.perf_counter()
+                jax.block_until_ready(vj.generate(qwen, ids[:rows], np.ones_like(ids[:rows]), key=jax.random.key(0),
+                                                  config=config).tokens)
+            timings[f"{rows} {'on' if invariant else 'off'}"] = time.perf_counter() - t0
+    result["seconds"] = timings  # "rows on|off": one call's wall time, batch invariance on or off
+    save()
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,6 +504,18 @@ def markdown(report: dict) -> str:
     tests = report["phases"].get("tests", {})
     if tests.get("summary"):
         lines += ["", f"Tests: `{tests['summary']}`"]
+    invariance = report["phases"].get("invariance", {}).get("results")
+    if invariance:
+        lines += ["", "Batch invariance (issue 42): " + invariance.get("probe", {}).get("describe", "no probe"), "",
+                  "| row 0 of a batch of | first step differing from the lone row's |", "|---|---|"]
+        for label, row in invariance.get("rows", {}).items():
+            lines.append(f"| {label} | {'none' if row['identical'] else row['first_difference']} |")
+        timed = invariance.get("seconds", {})
+        for rows in sorted({int(k.split()[0]) for k in timed}):
+            on, off = timed.get(f"{rows} on"), timed.get(f"{rows} off")
+            if on and off:
+                lines.append(f"\n{rows} rows x {invariance['new_tokens']} tokens: {on:.3f} s invariant, {off:.3f} s "
+                             f"not ({off / on:.2f}x the tokens/s)")
     sweep = report["phases"].get("sweep", {}).get("results")
     if sweep:
         lines += ["", f"## Decode kernel sweep ({sweep.get('device_kind')}, {sweep.get('sm_count')} SMs, read "
@@ -591,7 +672,7 @@ def targets(report: dict) -> dict[str, str]:
     return out
 
 
-PHASES = ("tests", "sweep", "workload", "events", "memory", "decode", "lowering", "kernels", "spread")
+PHASES = ("tests", "invariance", "sweep", "workload", "events", "memory", "decode", "lowering", "kernels", "spread")
 
 
 def _status(phase: dict) -> str:
@@ -629,6 +710,14 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
         phase = _run(cmd, cap)
         summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
         return dict(phase, status="passed" if phase["rc"] == 0 else _status(phase), summary=summary)
+    if name == "invariance":  # issue 42: the probe's rule and a row's tokens in batches of 1, 16 and 128
+        path = os.path.join(out, "invariance.json")
+        phase = _run(_child("invariance", path, cap), cap)
+        phase = _results(dict(phase, status=_status(phase)), path)
+        rows = phase.get("results", {}).get("rows", {})
+        if rows and not all(r["identical"] for r in rows.values()):
+            phase["status"] = "failed"
+        return phase
     if name == "sweep":  # the Triton decode kernel's launch parameters on the issue's shapes (GPU only)
         if env["backend"] != "gpu":
             return dict(status="skipped", rc=None, seconds=0, tail=["the sweep times the Triton kernel: GPU only"])
@@ -715,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"workload phase: comma list of {', '.join(WORKLOAD_ROWS)} (default: "
                    f"{','.join(WORKLOAD_DEFAULT)})")
     p.add_argument("--layers", type=int, default=None, help="decode phase: layers of the model (default: all 36)")
-    p.add_argument("--phase", choices=("decode", "lowering", "memory", "sweep", "events"), default=None,
+    p.add_argument("--phase", choices=("decode", "lowering", "memory", "sweep", "events", "invariance"), default=None,
                    help=argparse.SUPPRESS)  # a child process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -733,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_benchmark(model="qwen3-14b", layers=args.layers, batch=EVENTS_BATCH, lengths=(16384,),
                          methods=("vase_dkv", "vase_attnv"), other_loop=(), repeats=2, deadline=args.deadline,
                          json_path=args.json)
+        return 0
+    if args.phase == "invariance":
+        invariance_check(deadline=args.deadline, json_path=args.json)
         return 0
     if args.phase == "sweep":
         kernel_sweep(max(args.deadline - time.time(), 1.0), args.json)

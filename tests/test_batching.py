@@ -186,7 +186,7 @@ def test_engine_rounds_copy_no_cache(model, method):
     capacity = framework.capacity_for(ev, 64, MAX_NEW)
     graphdef, params = nnx.split(model)
     target = Target.make("cpu")
-    e = batching._init_state(model.cfg, model.dtype, 4, 4, cfg, ev, capacity, target)
+    e = batching._init_state(model.cfg, model.dtype, 4, 4, 4, cfg, ev, capacity, target)
     ids = jnp.ones((4, 64), jnp.int32)
     keys = jax.vmap(jax.random.key)(jnp.arange(4))
     staged = batching._stage(graphdef, params, ids, ids, keys, jnp.zeros(4, jnp.int32), jnp.full(4, 10, jnp.int32),

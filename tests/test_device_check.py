@@ -139,3 +139,22 @@ def test_issue_25_phases_in_the_report(device_check):
     assert set(device_check.PHASES) == set(device_check.CAPS)
     assert set(device_check.WORKLOAD_ROWS) == set(device_check.WORKLOAD_SHARE)
     assert all(rows > 0 for rows in device_check.WORKLOAD_ROWS.values())  # planned beforehand (module comment)
+
+
+def test_invariance_phase_on_cpu(device_check, tmp_path):
+    """The invariance phase's code path (issue 42), tiny: the probe's rule, row 0's tokens alone and in batches of
+    2 and 3 (identical here), a call's time at 1 and 3 rows with invariance on and off, and its report section."""
+    path = tmp_path / "invariance.json"
+    result = device_check.invariance_check(probe_model="tiny", model="tiny", layers=1, batches=(1, 2, 3),
+                                           new_tokens=16, json_path=str(path))
+    assert json.loads(path.read_text()) == result
+    assert result["probe"]["invariant"] and result["probe"]["min_rows"] >= 2  # CPU: a lone row runs beside a copy
+    assert set(result["rows"]) == {f"{m}@{b}" for m in ("full", "vase_dkv") for b in (1, 2, 3)}
+    assert all(row["identical"] for row in result["rows"].values()), result["rows"]
+    assert set(result["seconds"]) == {"1 on", "1 off", "3 on", "3 off"}
+    report = {"environment": {"device_kind": "cpu", "backend": "cpu", "jax": jax.__version__, "python": "3"},
+              "started": "now", "seconds": 1.0,
+              "phases": {"invariance": {"status": "passed", "seconds": 1, "results": result}}}
+    table = device_check.markdown(report)
+    assert "Batch invariance (issue 42)" in table and "| vase_dkv@3 | none |" in table
+    assert "3 rows x 16 tokens:" in table

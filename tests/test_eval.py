@@ -445,3 +445,26 @@ def test_problem_keys_are_stable_and_distinct():
     datas = {tuple(np.asarray(jax.random.key_data(ev.problem_key(s, t, p))).tolist())
              for s in (0, 1) for t in ("gsm8k", "math500") for p in ("0", "1", "17")}
     assert len(datas) == 12
+
+
+@pytest.mark.slow
+def test_static_and_continuous_records_identical_in_bfloat16(work):
+    """Issue 42's reproduction, on a bf16 model with the Qwen3 tokenizer: the static scheduler (a problem's samples
+    per generate call: batches of 2) and the continuous engine on 3 rows write the same tokens and text for every
+    sample, with and without eviction (float32: `test_same_records_under_both_schedulers_and_any_batch_size`)."""
+    runs = {}
+    for scheduler, rows in (("static", "2"), ("continuous", "3")):
+        out = work["root"] / f"bf16_{scheduler}"
+        args = ["--random-model", "tiny", "--task", "gsm8k", "--data", work["data"], "--methods", "full,vase_attnv",
+                "--budgets", "32", "--buffer", "8", "--samples", str(SAMPLES), "--batch-size", rows,
+                "--max-total-tokens", "120", "--dtype", "bfloat16", "--save-text", "--scheduler", scheduler,
+                "--out", str(out)]
+        res = _run(work, args)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[scheduler] = _by_key(_records(out))
+    assert set(runs["static"]) == set(runs["continuous"])
+    assert len(runs["static"]) == len(PROBLEMS) * SAMPLES * len(VARIANTS)
+    fields = ("tokens", "text", "finished", "evictions")
+    for key, rec in runs["static"].items():
+        assert {f: rec[f] for f in fields} == {f: runs["continuous"][key][f] for f in fields}, key
+    assert any(r["evictions"] > 0 for r in runs["static"].values())

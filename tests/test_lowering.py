@@ -164,7 +164,8 @@ def test_each_platform_lowers_its_own_program(method):
         cpu = platform == "cpu"
         assert ("xui16>" in text) == cpu, f"{platform}: cache storage"  # uint16 bits only on CPU
         assert ("layer_2/" in text) == (platform == "cuda"), f"{platform}: layer loop"
-        assert ids_type == ("2" if cpu else "1"), f"{platform}: a lone row runs {'beside a copy' if cpu else 'alone'}"
+        # a lone row runs beside copies on CPU (as many as this machine's `RowRule` says), alone elsewhere
+        assert (int(ids_type) >= 2) if cpu else ids_type == "1", f"{platform}: {ids_type} rows"
         mlp_dots = re.findall(r"stablehlo.dot_general.*-> tensor<[0-9x]*x768x(\w+)>", text)
         assert mlp_dots and set(mlp_dots) == {"f32" if cpu else "bf16"}, f"{platform}: MLP dots {mlp_dots}"
 

@@ -352,3 +352,32 @@ def test_pallas_kernels_per_device_match_one_device():
                               evictions=int(out.evictions))))
     """)
     assert result["same"] and result["evictions"] >= 3, result
+
+
+@pytest.mark.slow
+def test_one_row_per_device_matches_one_device_for_every_method():
+    """A data mesh of 8 devices with a batch of 8 (one row per device, padded to the machine's `RowRule.min_rows`
+    per device by `generate`): every scoring family gives the tokens and eviction counts of one device (the
+    paper's methods, H2O and KeyDiff; the reference's ablations share their scores). Greedy and sampled alternate
+    over the methods (a subprocess compiles 2 programs per method)."""
+    methods = ["full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff"]
+    result = run_devices(f"""
+        rows = []
+        mesh_model = shard_model(model, make_mesh(8, 1))
+        for i, method in enumerate({methods!r}):
+            greedy = i % 2 == 0
+            ref = vj.generate(model, ids, mask, key=jax.random.key(3), config=config(greedy),
+                              eviction=eviction(method))
+            out = vj.generate(mesh_model, ids, mask, key=jax.random.key(3), config=config(greedy),
+                              eviction=eviction(method))
+            a, b = np.asarray(out.tokens), np.asarray(ref.tokens)
+            rows.append(dict(method=method, greedy=greedy, same=[int(np.argmin(np.append(x == y, False)))
+                                                                 for x, y in zip(a, b)],
+                             evictions=np.asarray(out.row_evictions).tolist(),
+                             ref_evictions=np.asarray(ref.row_evictions).tolist()))
+        print(json.dumps(rows))
+    """, devices=8, timeout=900)
+    assert [r["method"] for r in result] == methods
+    for row in result:
+        assert row["same"] == [40] * 8, row  # the first differing step per row (40: none)
+        assert row["evictions"] == row["ref_evictions"], row

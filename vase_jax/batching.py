@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallas_kernels.decode_tuning import fixed_splits
 from vase_jax.cache import CACHE_AXES, STATE_AXES, KVCache, batch_axis, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -53,8 +54,10 @@ from vase_jax.generate import (
     phase_wait,
     prefill,
     query_window,
+    row_rule,
     split_keys,
 )
+from vase_jax.invariance import RowRule, padded_rows
 from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
@@ -138,11 +141,11 @@ def default_queue(rows: int) -> int:
     return max(min(rows, MAX_DEFAULT_QUEUE), 2)
 
 
-def queue_for(rows: int, queue: int | None, target: Target) -> int:
-    """The samples `run` prefills per round: `queue`, or `default_queue(rows)`; at least 2 where a one-row prefill
-    rounds differently (`Target.pads_lone_rows`: `generate` runs a lone row beside a copy on CPU)."""
+def queue_for(rows: int, queue: int | None, rule: RowRule) -> int:
+    """The samples `run` prefills per round: `queue`, or `default_queue(rows)`; at least `rule.min_rows` (a
+    smaller prefill batch rounds differently where the rule says so, `vase_jax.invariance`)."""
     queue = default_queue(rows) if queue is None else queue
-    return max(queue, 2) if target.pads_lone_rows else queue
+    return padded_rows(queue, rule)
 
 
 def validate_requests(requests: list[Request], rows: int, config: GenerateConfig) -> None:
@@ -284,6 +287,12 @@ def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, confi
             eviction: EvictionConfig, target: Target) -> EngineState:
     """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
     is done, or a row is free with nothing staged while the host has `more` samples."""
+    with fixed_splits(config.batch_invariant):  # the decode kernel's splits as in `generate`
+        return _engine_round(graphdef, params, e, staged, more, phase, config, eviction, target)
+
+
+def _engine_round(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
+                  eviction: EvictionConfig, target: Target) -> EngineState:
     model = nnx.merge(graphdef, params)
     e = e.replace(used=jnp.int32(0), out_count=jnp.int32(0))
     e = _admit(_collect(e, config), staged, phase, config, eviction)
@@ -300,12 +309,11 @@ def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, confi
     return jax.lax.while_loop(going, round_step, e)
 
 
-@functools.partial(target_jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7), target_argnum=7)
-def _init_state(cfg, dtype, rows: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
+@functools.partial(target_jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7, 8), target_argnum=8)
+def _init_state(cfg, dtype, rows: int, width: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
                 capacity: int, target: Target) -> EngineState:
-    """Every row free (done, inactive), the results buffer empty. On CPU one row runs beside an unused companion,
-    as in `generate` (a one-row matmul rounds differently: `Target.pads_lone_rows`)."""
-    width = max(rows, 2) if target.pads_lone_rows else rows
+    """Every row free (done, inactive), the results buffer empty. `width` >= `rows`: the batch the engine runs,
+    the rows past `rows` unused companions (as `generate` pads a small batch: `vase_jax.invariance`)."""
     sample = jnp.full((width,), FREE, jnp.int32).at[rows:].set(UNUSED)
     rows = width
     make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
@@ -348,8 +356,8 @@ def run(
     round (already dispatched), so grading and writing records do not stall the device unless they take longer
     than a round; `stats.host_seconds` adds up their time. `stats` (optional) receives the step counts
     and the row utilization. `queue`: samples prefilled per round (default `default_queue(rows)`: `rows`, at most
-    64, at least 2): fewer hold less memory (the staged prompts) and report results sooner, more make fewer round
-    trips.
+    64; at least the machine's `RowRule.min_rows`): fewer hold less memory (the staged prompts) and report
+    results sooner, more make fewer round trips.
     """
     requests = list(requests)
     config.validate()
@@ -360,7 +368,8 @@ def run(
     if queue is not None and (not isinstance(queue, int) or isinstance(queue, bool) or queue < 1):
         raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")
     target = generate_target(model, config)
-    queue = queue_for(rows, queue, target)
+    rule = row_rule(model, config, target)
+    queue = queue_for(rows, queue, rule)
     stats = stats if stats is not None else EngineStats()
     if not requests:
         return []
@@ -370,7 +379,8 @@ def run(
         capacity = generate_tiers(model.cfg, config, eviction, slots)
         slots = dataclasses.replace(capacity, quant_slots=staged_quant_slots(capacity, slots))
     graphdef, params = nnx.split(model)
-    e = _init_state(model.cfg, model.dtype, rows, queue, config, eviction, capacity, target)
+    e = _init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
+                    target)
     pending = collections.deque(enumerate(requests))
     phase = jnp.int32(len(requests[0].prompt))  # the batch's ticks fall where the first sample's trigger does
     staged_at: dict[int, float] = {}

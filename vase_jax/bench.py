@@ -31,7 +31,7 @@ from vase_jax.cache import KVCache, init_cache, stored
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, decode_step
+from vase_jax.generate import GenerateConfig, decode_step, row_rule
 from vase_jax.generate import prefill as generate_prefill
 from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
@@ -819,7 +819,8 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
         rec |= {"rows": rows, "plan_s": time.perf_counter() - start, "plan": None if plan is None else plan.as_dict()}
         log(f"{label}: {rows} rows ({rec['rows_reason']})")
         if rows > 0:
-            q = batching.queue_for(rows, queue, Target.make(platform_of(device)))  # as `batching.run` does
+            rule = row_rule(model, config, Target.make(platform_of(device)))
+            q = batching.queue_for(rows, queue, rule)  # as `batching.run` does
             start = time.perf_counter()
             _run_timed(model, make_requests([2] * rows), rows, q, config, ev, prompt_len)  # compiles the programs
             rec |= {"queue": q, "compile_s": time.perf_counter() - start}

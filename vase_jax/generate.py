@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallas_kernels.decode_tuning import fixed_splits
 from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
 from vase_jax.cache import KVCache, first_rows, init_cache
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
+from vase_jax.invariance import UNPADDED, RowRule, padded_rows, rule_for
 from vase_jax.jit import target_jit
 from vase_jax.kvquant import DEFAULT_GROUP, KVBits
 from vase_jax.model import Qwen3, prompt_positions
@@ -59,6 +61,10 @@ class GenerateConfig:
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
     return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
+    # A row's tokens do not depend on its batch: a batch of fewer rows (per device) than this machine's kernels
+    # need to take the path of larger batches runs beside copies of its first row (`vase_jax.invariance`, probed
+    # once per process; a warning says so when no padding can promise it). False: the batch runs as given.
+    batch_invariant: bool = True
     # How the prefill and the decode steps run the layers: "unroll" (a Python loop, each layer its own code),
     # "switch" (a scan over the layer index whose matmuls pick their layer's weight by `lax.switch`: compile time
     # flat in depth), "auto" (the platform's default: unroll on GPU, switch on CPU and TPU). Both read each weight
@@ -127,6 +133,8 @@ class GenerateConfig:
             self.kv_bits.validate()
         except ValueError as e:
             raise ValueError(f"GenerateConfig: {e}") from None
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"GenerateConfig.batch_invariant={self.batch_invariant!r} must be a bool")
         if not isinstance(self.kv_refine, bool):
             raise ValueError(f"GenerateConfig.kv_refine={self.kv_refine!r} must be a bool")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
@@ -256,10 +264,11 @@ def generate(
     """
     args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
     out = _generate(*args)
-    if args[2].shape[0] != jnp.shape(input_ids)[0]:  # a lone row ran beside a copy of itself (`_prepare`)
-        out = out.replace(tokens=out.tokens[:1], num_tokens=out.num_tokens[:1], finished=out.finished[:1],
-                          row_evictions=out.row_evictions[:1], cache_length=out.cache_length[:1],
-                          cache=None if out.cache is None else first_rows(out.cache, 1))
+    b = jnp.shape(input_ids)[0]
+    if args[2].shape[0] != b:  # a small batch ran beside copies of its first row (`_prepare`)
+        out = out.replace(tokens=out.tokens[:b], num_tokens=out.num_tokens[:b], finished=out.finished[:b],
+                          row_evictions=out.row_evictions[:b], cache_length=out.cache_length[:b],
+                          cache=None if out.cache is None else first_rows(out.cache, b))
     return out
 
 
@@ -318,15 +327,19 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     _validate_key(key, b)
     if row_ids is not None and jnp.shape(row_ids) != (b,):
         raise ValueError(f"row_ids has shape {tuple(jnp.shape(row_ids))}; expected [batch] = ({b},)")
-    if b == 1 and target.pads_lone_rows:
-        # XLA:CPU runs a one-row matmul as a matrix-vector product, whose float32 sums differ from those of the
-        # multi-row kernel that every larger batch uses. A row's numbers must not depend on its batch's size (the
-        # continuous engine runs samples in batches of any size), so a lone row runs beside a copy of itself;
-        # `generate` returns row 0.
-        input_ids, attention_mask, caps = (jnp.concatenate([x, x]) for x in (input_ids, attention_mask, caps))
-        key = key if key.ndim == 0 else jnp.concatenate([key, key])
-        row_ids = None if row_ids is None else jnp.concatenate([jnp.asarray(row_ids)] * 2)
-        b = 2
+    mesh = model_mesh(model)
+    if mesh is not None:
+        check_mesh(model.cfg, mesh, b)  # the caller's batch must split over `data` (before it is padded)
+    rows = padded_rows(b, row_rule(model, config, target), 1 if mesh is None else mesh.shape.get("data", 1))
+    if rows > b:
+        # A row's numbers must not depend on its batch's size (the continuous engine runs samples in batches of
+        # any size, a mesh splits them over devices): a batch of fewer rows per device than the machine's
+        # `RowRule.min_rows` runs beside copies of its first row (`vase_jax.invariance`); `generate` returns
+        # the first b rows.
+        input_ids, attention_mask, caps = (pad_rows(x, rows) for x in (input_ids, attention_mask, caps))
+        key = key if key.ndim == 0 else pad_rows(key, rows)
+        row_ids = None if row_ids is None else pad_rows(jnp.asarray(row_ids), rows)
+        b = rows
     t = config.bucket(t_in)
     if t > t_in:  # left-pad to the bucket so that prompts of nearby lengths share one compiled program
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=prompt_pad_id(config, model.cfg))
@@ -338,7 +351,6 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
     row_ids = jnp.asarray(row_ids, jnp.int32)
-    mesh = model_mesh(model)
     if mesh is not None and config.kv_bits.quantizes:
         raise ValueError(f"GenerateConfig.key_bits={config.key_bits}, value_bits={config.value_bits}: the "
                          "mixed-precision cache runs on one device (not on a mesh yet); use 16 and 16 on a mesh")
@@ -350,6 +362,22 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     graphdef, state = nnx.split(model)
     return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, target,
             mesh)
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x [b, ...] with copies of its first row appended up to `rows` rows."""
+    return jnp.concatenate([x] + [x[:1]] * (rows - x.shape[0]))
+
+
+def row_rule(model: Qwen3, config: GenerateConfig, target: Target) -> RowRule:
+    """The `RowRule` a `generate` call pads its batch by: measured on this machine (`vase_jax.invariance.rule_for`,
+    once per process) for a model whose weights are on the target's devices; the documented default for
+    abstract weights or another platform's lowering (`invariance.DEFAULT_MIN_ROWS`); `UNPADDED` when
+    `config.batch_invariant` is off."""
+    if not config.batch_invariant:
+        return UNPADDED
+    measured = devices_platform(nnx.state(model)) == target.platform
+    return rule_for(model.cfg, model.dtype, target, probe=measured)
 
 
 def prompt_pad_id(config: GenerateConfig, cfg) -> int:
@@ -476,8 +504,10 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
 def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
               eviction: EvictionConfig, capacity: int, target: Target,
               mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
-    # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`).
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+    # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`);
+    # batch invariance fixes the decode kernel's split count whatever the batch (`decode_tuning.fixed_splits`).
+    with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext(),
+          fixed_splits(config.batch_invariant)):
         return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction,
                               capacity, target, mesh)
 

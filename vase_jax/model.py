@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.dispatch import pairwise_sum
 from vase_jax import tiers, weights
 from vase_jax.attention import decode_attention
 from vase_jax.cache import (
@@ -117,9 +118,9 @@ def linears(x: jax.Array, ws: tuple, target: Target | None = None, epilogue=None
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """y = w * cast(x / sqrt(mean(x^2) + eps)), the mean and rsqrt in float32."""
+    """y = w * cast(x / sqrt(mean(x^2) + eps)), the mean (a `pairwise_sum`) and rsqrt in float32."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(pairwise_sum(x32 * x32) / x.shape[-1] + eps)
     return weight * normed.astype(x.dtype)
 
 

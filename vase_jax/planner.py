@@ -40,6 +40,7 @@ from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, _generate, generate_tiers, query_window
+from vase_jax.invariance import UNPADDED, padded_rows, rule_for
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.sharding import cache_specs, check_mesh, param_specs, per_device_bytes, spec_for
@@ -258,17 +259,22 @@ class _EnginePrograms:
         self._stage: dict[int, tuple] = {}
         self._engine: dict[tuple[int, int], int] = {}
         self.compile_s = 0.0
+        # the batch padding `run` will use (`vase_jax.invariance`): measured when the device is this process's
+        self.rule = rule_for(cfg, self.dtype, self.target, probe=default and self.config.batch_invariant)
+        if not self.config.batch_invariant:
+            self.rule = UNPADDED
 
     def place(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding), tree)
 
     def queue_for(self, rows: int, queue: int | None) -> int:
         """The queue `batching.run` uses (`batching.queue_for`)."""
-        return batching.queue_for(rows, queue, self.target)
+        return batching.queue_for(rows, queue, self.rule)
 
     def state(self, rows: int, queue: int):
         return self.place(jax.eval_shape(lambda: batching._init_state(
-            self.cfg, self.dtype, rows, queue, self.config, self.eviction, self.capacity, self.target)))
+            self.cfg, self.dtype, rows, padded_rows(rows, self.rule), queue, self.config, self.eviction,
+            self.capacity, self.target)))
 
     def stage_args(self, queue: int) -> tuple:
         def arg(shape, dt=jnp.int32):

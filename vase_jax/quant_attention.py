@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.decode_attention import stored_as
+from pallas_kernels.dispatch import pairwise_sum
 from vase_jax.kvquant import Quantized
 
 _NEG = -1e30  # a finite start for the running max: exp(m_old - m_new) never sees inf - inf
@@ -184,7 +185,7 @@ def segments_partials(q: jax.Array, segments: Sequence[Segment], *, block: int =
             correction = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])  # 0 on invalid slots
             pv = _block_values(p, seg.v, valid, start, blk, layer, q.dtype)
-            return acc * correction[..., None] + pv, m_new, l * correction + p.sum(-1)
+            return acc * correction[..., None] + pv, m_new, l * correction + pairwise_sum(p)[..., 0]  # as 16-bit
 
         branches.append(update)
 

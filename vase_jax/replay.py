@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallas_kernels.decode_tuning import fixed_splits
 from vase_jax.cache import KVCache, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -32,11 +33,14 @@ from vase_jax.generate import (
     GenerateConfig,
     decode_step,
     generate_target,
+    pad_rows,
     prefill,
     prompt_pad_id,
     query_window,
+    row_rule,
     split_keys,
 )
+from vase_jax.invariance import padded_rows
 from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
@@ -97,20 +101,20 @@ def replay(model: Qwen3, input_ids, attention_mask, reference, lengths, *, key: 
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - attention_mask.shape[1], 0)))
     key = typed_key(jnp.asarray(key) if not isinstance(key, jax.Array) else key)
     row_ids = jnp.arange(b, dtype=jnp.int32) if row_ids is None else jnp.asarray(row_ids, jnp.int32)
-    lone = b == 1 and target.pads_lone_rows
-    if lone:  # as `generate` runs a lone row on CPU: beside a copy of itself (the same numbers as in a batch)
-        input_ids, attention_mask, row_ids = (jnp.concatenate([x, x]) for x in (input_ids, attention_mask, row_ids))
-        reference, lengths = np.concatenate([reference, reference]), np.concatenate([lengths, lengths])
-        key = key if key.ndim == 0 else jnp.concatenate([key, key])
+    rows = padded_rows(b, row_rule(model, config, target))
+    if rows > b:  # as `generate` runs a small batch: beside copies of its first row (`vase_jax.invariance`)
+        input_ids, attention_mask, row_ids = (pad_rows(x, rows) for x in (input_ids, attention_mask, row_ids))
+        reference, lengths = (np.concatenate([x] + [x[:1]] * (rows - b)) for x in (reference, lengths))
+        key = key if key.ndim == 0 else pad_rows(key, rows)
     capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
     full_capacity = framework.capacity_for(EvictionConfig("full"), t, config.max_new_tokens)
     graphdef, state = nnx.split(model)
     out = _replay(graphdef, state, input_ids, attention_mask, jnp.asarray(reference), jnp.asarray(lengths), key,
                   row_ids, config, eviction, (capacity, full_capacity, return_cache), target)
-    if lone:
-        out = out.replace(kl=out.kl[:1], agree=out.agree[:1], nll=out.nll[:1], nll_full=out.nll_full[:1],
-                          valid=out.valid[:1], row_evictions=out.row_evictions[:1],
-                          cache=None if out.cache is None else first_rows(out.cache, 1))
+    if rows > b:
+        out = out.replace(kl=out.kl[:b], agree=out.agree[:b], nll=out.nll[:b], nll_full=out.nll_full[:b],
+                          valid=out.valid[:b], row_evictions=out.row_evictions[:b],
+                          cache=None if out.cache is None else first_rows(out.cache, b))
     return out
 
 
@@ -128,6 +132,14 @@ def _distribution_stats(logits: jax.Array, full_logits: jax.Array, token: jax.Ar
 @functools.partial(target_jit, static_argnums=(0, 8, 9, 10, 11), target_argnum=11)
 def _replay(graphdef, state, input_ids, attention_mask, reference, lengths, key, row_ids, config: GenerateConfig,
             eviction: EvictionConfig, capacities: tuple[int, int, bool], target: Target) -> ReplayOutput:
+    with fixed_splits(config.batch_invariant):  # the decode kernel's splits as in `generate`
+        return _replay_body(graphdef, state, input_ids, attention_mask, reference, lengths, key, row_ids, config,
+                            eviction, capacities, target)
+
+
+def _replay_body(graphdef, state, input_ids, attention_mask, reference, lengths, key, row_ids,
+                 config: GenerateConfig, eviction: EvictionConfig, capacities: tuple[int, int, bool],
+                 target: Target) -> ReplayOutput:
     model = nnx.merge(graphdef, state)
     capacity, full_capacity, return_cache = capacities
     b, width = reference.shape

@@ -9,7 +9,8 @@ platforms=("cuda",))` on a CPU host lowers exactly the program a GPU runs.
 | layer loop (`layer_loop="auto"`) | `switch` | `unroll` | `switch` |
 | a 16-bit cache stored as | its bits (uint16) | itself | itself |
 | embedding rows gathered through | the table's bits | the table | the table |
-| a batch of one row | runs beside a copy of itself | as is | as is |
+| a batch of fewer rows than `RowRule.min_rows` | runs beside copies of its first row | the same | the same |
+| a one-row 16-bit matmul | gets a zero row (speed) | as is | as is |
 | the prompt's keys and values | written as they are | written as they are | laid out row-major first |
 | XLA options of decode programs | invariant code motion off | defaults | defaults |
 | a 16-bit matmul's result | float32, then cast | written in 16 bits by the dot | written in 16 bits by the dot |
@@ -24,8 +25,11 @@ Why, on XLA:CPU (docs/DESIGN.md has the measurements):
 - XLA:CPU has no bfloat16 dynamic-update-slice or gather: it converts the whole operand to float32 and back around
   each one-token cache write, or to gather rows of a bf16 table. Through a same-width uint16 view the write and
   the gather touch only their rows.
-- A one-row 16-bit matmul is a matrix-vector product there, whose float32 sums differ in the last bit from those
-  of the multi-row kernel: a row's numbers must not depend on its batch's size.
+- A one-row matmul is a matrix-vector product there, whose float32 sums differ in the last bit from those of the
+  multi-row kernel (and a 16-bit one is 8x slower): a row's numbers must not depend on its batch's size, so
+  `generate` pads small batches by the rule `vase_jax.invariance` measures, and a one-row 16-bit matmul gets a zero
+  row. Reductions over a row's last axis that the invariance relies on (RMSNorm, the decode softmax's sum) are
+  `pallas_kernels.dispatch.pairwise_sum`: XLA:CPU vectorizes a reduce by the number of rows it holds.
 - A dot with a 16-bit result has its operands converted to float32 first (a float32 copy of the weight); with a
   float32 result it reads them as they are. Elsewhere the dot writes the 16-bit result from its float32
   accumulators (`model.matmuls`: XLA:GPU's prefill then holds no float32 copy of each MLP projection).
@@ -101,7 +105,8 @@ class Target:
 
     @property
     def pads_lone_rows(self) -> bool:
-        """Run a batch of one row beside a copy of itself, and give a one-row 16-bit matmul a zero row (CPU)."""
+        """Give a one-row 16-bit matmul a zero row (CPU: 8x faster than its matrix-vector product). Small batches
+        are padded by the measured `vase_jax.invariance.RowRule`, on every platform."""
         return self.cpu
 
     @property

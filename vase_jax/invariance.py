@@ -1,0 +1,149 @@
+"""Batch invariance: does a row's result depend on how many rows ride with it, here, and from how many rows on not?
+
+A matmul's kernel is picked by its shape. On XLA:CPU (jax 0.10.2) a one-row matmul is a matrix-vector product
+whose float32 sums differ from the multi-row kernel's (AMD EPYC, AVX2: batch 1 differs, 2 to 128 agree); on an
+Intel Xeon with AVX-512, in bfloat16, batches 1 and 2 differ and 3 on agree; on GPUs cuBLAS picks kernels and
+split-K by the row count too. So the rule is measured, not assumed: `probe_shapes` runs the model's own matmuls
+(its projections and LM head through `model.linear`, as the model runs them) at batches
+`BATCHES` on the current backend and dtype, compares every row's bits with the same row in the largest batch, and
+returns a `RowRule`: the fewest rows per device from which every tested batch agrees (`min_rows`, at least the
+platform's `DEFAULT_MIN_ROWS`), or, when no such count exists up to `MAX_MIN_ROWS`, that invariance cannot be
+promised here. The reductions within a row that the model and the decode attention's XLA path do are summed in a
+fixed order (`pallas_kernels.dispatch.pairwise_sum`), so they need no rule: XLA:CPU vectorizes a reduce by the
+number of rows it holds (a float32 RMSNorm over head_dim, and the decode softmax's sum at 2 rows against 8, gave
+other bits before that).
+
+`generate`, the continuous engine and `replay` run a batch of fewer rows than `min_rows` beside copies of its first
+row (per device, on a data mesh), so that every batch size takes the path of the larger ones. `rule_for` caches
+the rule per process (keyed by platform, device kind, dtype and shapes); `python -m vase_jax.check_invariance`
+prints it.
+
+    rule = probe_shapes(hidden=1024, q_dim=2048, kv_dim=1024, mlp=3072, vocab=151936, dtype=jnp.bfloat16)
+    rule.min_rows   # e.g. 2: a lone row runs beside one copy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vase_jax.model import linear
+from vase_jax.target import Target
+
+BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 64)  # rows per device that the probe runs
+MAX_MIN_ROWS = 8  # padding a batch beyond this many rows would cost too much: beyond it, no promise
+# The fewest rows per device on each platform, measured or not (and the rule when nothing was measured: a lowering
+# for another platform, abstract weights). On XLA:CPU a batch of one also drops the unit batch axis of the
+# attention's batched dots (another kernel, which the matmul probe does not run: a lone prompt's float32 logits
+# differ from its row's in batches of 2 to 8), and its one-row matmul is a matrix-vector product.
+DEFAULT_MIN_ROWS = {"cpu": 2, "cuda": 1, "rocm": 1, "tpu": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRule:
+    """What `probe` measured. `min_rows`: run at least this many rows per device (1: any batch is invariant);
+    `invariant`: every tested batch of at least `min_rows` rows gave each row the bits it has in the largest batch;
+    `differs`: per operation, the batches whose rows differed; `platform`, `device`, `dtype`: where it was measured.
+    """
+
+    min_rows: int
+    invariant: bool
+    differs: tuple[tuple[str, tuple[int, ...]], ...]
+    platform: str
+    device: str
+    dtype: str
+    batches: tuple[int, ...] = BATCHES
+
+    def describe(self) -> str:
+        where = f"{self.platform} ({self.device}), {self.dtype}"
+        bad = "; ".join(f"{op}: {', '.join(map(str, ms))}" for op, ms in self.differs if ms) or "none"
+        if not self.invariant:
+            return (f"{where}: rows are NOT batch-invariant (batches tested {list(self.batches)}; differing from the "
+                    f"largest: {bad}); a row's tokens may depend on its batch")
+        pad = "no padding" if self.min_rows == 1 else f"batches of fewer than {self.min_rows} rows run beside copies"
+        return f"{where}: rows batch-invariant from {self.min_rows} rows per device on ({pad}; differing: {bad})"
+
+
+UNPADDED = RowRule(1, False, (), "", "off", "")  # `GenerateConfig(batch_invariant=False)`: no probe, no promise
+
+
+def padded_rows(rows: int, rule: RowRule, data: int = 1) -> int:
+    """The rows a batch of `rows` runs as: at least `rule.min_rows` per device of the `data` axis."""
+    return max(rows, rule.min_rows * data)
+
+
+# ---- the probe --------------------------------------------------------------------------------------------------
+def probe_shapes(*, hidden: int, q_dim: int, kv_dim: int, mlp: int, vocab: int, dtype, target: Target | None = None,
+                 batches: tuple[int, ...] = BATCHES, seed: int = 0) -> RowRule:
+    """Measure the `RowRule` of a model of these widths on the default backend (or `target`'s platform): the
+    matmuls x [m, in] @ w [out, in] of every projection (hidden -> q_dim, kv_dim, mlp, vocab; q_dim, mlp ->
+    hidden) through `model.linear` (as the model runs them on `target`), each at every batch m of `batches`.
+
+    Only the matmuls: they are the operations whose row count is a kernel's M. Norms, attention and the eviction
+    scores reduce within a row, with the batch as an outer loop; probed alone they mislead (XLA:CPU compiles a
+    lone [m, 256] float32 RMSNorm differently at m = 3..8 than at 64, while inside the model every row of batches
+    1..8 agrees bit for bit); the tests check them inside `generate`."""
+    target = target or Target.of()
+    dtype = jnp.dtype(dtype)
+    top = max(batches)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, dtype)
+
+    differs = []
+    matmuls = [(hidden, n) for n in dict.fromkeys((q_dim, kv_dim, mlp, vocab))]
+    matmuls += [(k, hidden) for k in dict.fromkeys((q_dim, mlp))]
+    run_linear = jax.jit(lambda x, w: linear(x, w, target))
+    for k, n in matmuls:
+        x, w = normal(top, k), normal(n, k, scale=k ** -0.5)
+        differs.append((f"linear {k}->{n}", _differing(lambda m, x=x, w=w: run_linear(x[:m], w), batches)))
+    bad = sorted({m for _, ms in differs for m in ms})
+    min_rows = next((p for p in batches if not any(m >= p for m in bad)), top + 1)
+    min_rows = max(min_rows, DEFAULT_MIN_ROWS[target.platform])
+    device = jax.devices(target.platform if target.platform != "cuda" else "gpu")[0]
+    invariant = min_rows <= MAX_MIN_ROWS
+    return RowRule(min_rows=min_rows if invariant else DEFAULT_MIN_ROWS[target.platform], invariant=invariant,
+                   differs=tuple(differs), platform=target.platform, device=str(device.device_kind),
+                   dtype=dtype.name, batches=tuple(batches))
+
+
+def _differing(run, batches) -> tuple[int, ...]:
+    """The batches m whose rows differ (bitwise) from the same rows of the largest batch. `run(m)` computes the
+    operation on the first m rows, each m its own program whose inputs have m rows (as the model's do)."""
+    results = {m: np.asarray(run(m)) for m in batches}
+    top = results[max(batches)]
+    return tuple(m for m in batches if not np.array_equal(results[m].view(np.uint8), top[:m].view(np.uint8)))
+
+
+@functools.cache
+def _cached_rule(platform: str, device: str, dtype: str, widths: tuple) -> RowRule:
+    hidden, q_dim, kv_dim, mlp, vocab = widths
+    rule = probe_shapes(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, mlp=mlp, vocab=vocab, dtype=dtype,
+                        target=Target.make(platform))
+    if not rule.invariant:
+        warnings.warn(f"vase_jax: {rule.describe()}", RuntimeWarning, stacklevel=3)
+    return rule
+
+
+def rule_for(cfg, dtype, target: Target, probe: bool = True) -> RowRule:
+    """The `RowRule` of a model of config `cfg` in `dtype` on `target`'s platform, probed once per process (a
+    `RuntimeWarning` once when invariance cannot be promised). Without `probe`, or for a platform with no devices
+    here (a program lowered for another platform), the documented default `DEFAULT_MIN_ROWS` (not measured, so
+    not promised)."""
+    platform, dtype = target.platform, jnp.dtype(dtype).name
+    default = RowRule(DEFAULT_MIN_ROWS[platform], False, (), platform, "not measured", dtype)
+    if not probe:
+        return default
+    try:
+        device = jax.devices("gpu" if platform in ("cuda", "rocm") else platform)[0]
+    except RuntimeError:
+        return default
+    widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+              cfg.intermediate_size, cfg.vocab_size)
+    return _cached_rule(platform, str(device.device_kind), dtype, widths)
