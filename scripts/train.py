@@ -428,10 +428,16 @@ def main(argv: list[str] | None = None) -> int:
 
         heldout = heldout_chains()
         fresh = [vc.problem(seed, vc.DEFAULT_STEPS, "fresh") for seed in range(200)]
+        if cfg.init:  # a second stage: what the first one was, and the time of both
+            first = json.loads((Path(cfg.init) / "train_config.json").read_text())
+            first_rows = [r for r in _read_log(Path(cfg.init) / "log.jsonl", first["steps"]) if "loss" in r]
+            meta["init"] = {"config": first, "steps": len(first_rows),
+                            "seconds": first_rows[-1]["seconds"] if first_rows else None}
+            meta["seconds_total"] = (meta["seconds"] or 0.0) + (meta["init"]["seconds"] or 0.0)
         meta |= {"heldout_accuracy": greedy_accuracy(Path(args.export), heldout),
                  "fresh_accuracy": greedy_accuracy(Path(args.export), fresh),
-                 "accuracy": "full cache, greedy, 32-line problems: the 200 packaged held-out ones and 200 of the "
-                             "'fresh' seed stream (seeds 0-199), graded exactly"}
+                 "accuracy": f"full cache, greedy, {vc.DEFAULT_STEPS}-line problems: the 200 packaged held-out "
+                             "ones and 200 of the 'fresh' seed stream (seeds 0-199), graded exactly"}
         (Path(args.export) / "TRAINING.json").write_text(json.dumps(meta, indent=2) + "\n")
         print(f"{PROG}: wrote {args.export} (held-out accuracy {meta['heldout_accuracy']:.3f}, fresh "
               f"{meta['fresh_accuracy']:.3f})", file=sys.stderr)

@@ -133,7 +133,7 @@ FULL = vj.EvictionConfig("full")
 
 def _generate(model, batch, tok, eviction=FULL, key=0):
     out = vj.generate(model, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask),
-                      key=jax.random.key(key), config=vj.GenerateConfig(max_new_tokens=320, temperature=0.0,
+                      key=jax.random.key(key), config=vj.GenerateConfig(max_new_tokens=476, temperature=0.0,
                                                                         eos_token_ids=(tok.eos_token_id,)),
                       eviction=eviction)
     tokens, counts = np.asarray(out.tokens), np.asarray(out.num_tokens)
@@ -157,7 +157,7 @@ def test_full_cache_solves_the_heldout_problems(heldout, full_tokens):
                                     "keydiff"])
 def test_budget_above_the_trace_gives_full_tokens(model, heldout, full_tokens, method):
     _, batch, tok = heldout
-    assert batch.input_ids.shape[1] + 320 < 512  # prompt + every new token: no row ever reaches N
+    assert batch.input_ids.shape[1] + 476 < 512  # prompt + every new token: no row ever reaches N
     got = _generate(model, batch, tok, vj.EvictionConfig(method, budget=512, buffer=32), key=3)
     assert got == full_tokens
 
@@ -175,7 +175,7 @@ def test_transformers_loads_the_folder_and_solves_the_task():
         ids = tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)
         with torch.no_grad():
-            out = hf.generate(**ids, max_new_tokens=320, do_sample=False)
+            out = hf.generate(**ids, max_new_tokens=476, do_sample=False)
         solved += grade(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True), p)
     assert solved >= 3
 

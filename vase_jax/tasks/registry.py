@@ -12,7 +12,7 @@ prompt + output, temperature 0.6, top-p 0.95, top-k off):
 | gsm8k | 4 | 512 | 128 | case study: first 500 test questions, 4096 total tokens |
 | amc | 16 | 2048 | 512 | not in the paper (our choice) |
 | olympiadbench | 8 | 2048 | 512 | not in the paper (our choice) |
-| varchain | 1 | 64 | 16 | the packaged model's task: greedy, B = 32, budgets 64, 96, 128, 512 total tokens |
+| varchain | 1 | 96 | 24 | the packaged model's task: greedy, B = 32, budgets 96, 128, 160, first 128 problems |
 | minerva | 8 | 1024 | 256 | not in the paper (our choice) |
 
 Our choices follow the paper's rule of about 4x compression of a typical Qwen3 thinking trace: AMC and
@@ -123,8 +123,8 @@ TASKS: dict[str, Task] = {
         _task("olympiadbench", "OlympiadBench (text-only English math)", "olympiadbench", 8, 2048),
         _task("gpqa", "GPQA-Diamond (user-supplied)", None, 8, 2048, prompt_style="raw", grader="choice"),
         _task("varchain", "variable chain: sums of a variable and one written 8 lines back (packaged model's task)",
-              "varchain", 1, 64, prompt_style="raw", grader="exact", max_total_tokens=512, temperature=0.0,
-              top_p=1.0, buffer=32, sweep=(64, 96, 128), batch_size=64),
+              "varchain", 1, 96, prompt_style="raw", grader="exact", max_total_tokens=512, temperature=0.0,
+              top_p=1.0, buffer=32, sweep=(96, 128, 160), batch_size=128, num_problems=128),
         _task("livecodebench", "LiveCodeBench v6 medium (user-supplied tests; code run in a sandbox)", None, 8,
               2048, prompt_style="raw", grader="code"),
     )
