@@ -39,6 +39,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,6 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       help="default full,vase_attnv,vase_dkv (aime25: vase_dkv,vase_attnv,full); comma list (full and "
       "vj.eviction.METHODS: snapkv, rkv, rkv_official, curdkv, vase_attnv, vase_dkv, h2o, "
       "keydiff, ablations), 'paper' (full + the five) or 'all' (full + every policy)")
+    a("--calibration", default=None, help="triattention's statistics file (default: the model folder's; random "
+      "numbers of the model's shape for a named random model)")
     a("--budgets", type=_ints, default=None, help="comma list of budgets N (eviction methods; default 512, aime25: "
       "2048)")
     a("--buffer", type=int, default=None, help="buffer B, the eviction period (default 64)")
@@ -247,8 +250,14 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
             configs.append(EvictionConfig("full").validate())
         elif not args.budgets:
             raise ValueError(f"--budgets is empty but method {m!r} needs a budget")
+        elif "calibration" in METHODS[m].option_names:  # validated with the model (`with_calibration`)
+            configs += [EvictionConfig(m, budget=n, buffer=args.buffer, calibration=args.calibration)
+                        for n in args.budgets]
         else:
             configs += [EvictionConfig(m, budget=n, buffer=args.buffer).validate() for n in args.budgets]
+    if args.calibration is not None and not any("calibration" in METHODS[m].option_names for m in names
+                                                if m != "full"):
+        raise ValueError("--calibration is for --methods triattention")
     if isinstance(args.batch, dict):
         labels = [vb.method_label(ev) for ev in configs]
         unknown = sorted(set(args.batch) - set(labels))
@@ -258,6 +267,28 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     if args.compare_hf and (not args.hf_caches or set(args.hf_caches) - {"dynamic", "static"}):
         raise ValueError(f"--hf-caches={','.join(args.hf_caches)!r}; allowed: dynamic, static")
     return configs
+
+
+def with_calibration(configs: list[EvictionConfig], model: vj.Qwen3, args) -> list[EvictionConfig]:
+    """The configurations validated, a method that takes a calibration given one: --calibration, the model
+    folder's, or (a named random model) statistics of random numbers of its shape (speed does not depend on
+    them)."""
+    from vase_jax.calibration import random_statistics
+    from vase_jax.eviction.triattention import save_calibration, stats_path
+
+    out = []
+    for ev in configs:
+        if ev.evicts and "calibration" in ev.policy.option_names and ev.options.calibration is None:
+            local = os.path.isdir(args.model) and os.path.isfile(stats_path(args.model))
+            if local:
+                path = stats_path(args.model)
+            else:
+                path = save_calibration(os.path.join(tempfile.mkdtemp(prefix="bench-stats-"), "random.npz"),
+                                        random_statistics(model.cfg))
+            ev = dataclasses.replace(ev, options=dataclasses.replace(ev.options, calibration=path))
+        out.append(ev.validate())
+        framework.check_model(ev, model.cfg)
+    return out
 
 
 def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
@@ -1032,6 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch  # noqa: F401
             import transformers  # noqa: F401
         model, model_desc = load_model(args, dtype)
+        configs = with_calibration(configs, model, args)
     except (ValueError, ImportError) as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2

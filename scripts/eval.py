@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 PROG = "eval.py"
-PACKAGED_METHODS = ("full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff")
+PACKAGED_METHODS = ("full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff",
+                    "triattention")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,9 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(<global_id>.json, md5-checked); prompts from --data or the packaged test.jsonl")
     p.add_argument("--methods", type=_csv(str),
                    help="comma list: 'full' (no eviction) and policies of vj.eviction.METHODS (snapkv, rkv, "
-                   "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, ablations; default: full,vase_attnv; "
+                   "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, triattention, ablations; default: "
+                   "full,vase_attnv; "
                    f"with the packaged model: {','.join(PACKAGED_METHODS)})")
     p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
+    p.add_argument("--calibration", help="triattention's query statistics file (default: the model folder's "
+                   "triattention_stats.npz, made by scripts/calibrate.py)")
     p.add_argument("--kv-bits", type=_csv(str),
                    help="comma list of cache settings, each run for every method and budget: bf16 (the 16-bit "
                    "cache, default) or K<bits>V<bits>[g<group>] (a mixed-precision cache: keys and values in 8 "
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size,
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
             tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous", kv_bits=args.kv_bits,
-            kv_protected=args.kv_protected, kv_methods=args.kv_methods,
+            kv_protected=args.kv_protected, kv_methods=args.kv_methods, calibration=args.calibration,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import calibrations
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +84,7 @@ def drive(model, ids, mask, ev, max_new, key):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", EVICTING)
 def test_framework_invariants(peaked, tokenizer, method):
-    ev = vj.EvictionConfig(method, budget=N, buffer=B, value_slots=16)
+    ev = calibrations.eviction(method, peaked.cfg, budget=N, buffer=B, value_slots=16)
     batch = vj.encode_prompts(tokenizer, ["Count to ten.", "Name three colors of the rainbow, please."])
     ids, mask = batch.input_ids, batch.attention_mask
     max_new = 120
@@ -95,7 +96,8 @@ def test_framework_invariants(peaked, tokenizer, method):
     for r, schedule in enumerate(schedules):
         assert [int(before.seen[r]) for (before, _), f in zip(events, fired, strict=True) if f[r]] == schedule
         assert len(schedule) >= 4
-    k = N - B
+    recent = ev.recent  # the newest slots kept unscored: B, or 0 (triattention)
+    k = N - recent
     for (before, after), f in zip(events, fired, strict=True):
         for r in range(len(lengths)):
             if not f[r]:  # a row whose trigger did not fire keeps its slots untouched
@@ -107,13 +109,13 @@ def test_framework_invariants(peaked, tokenizer, method):
             assert int(after.length[r]) == N and int(after.seen[r]) == N
             for layer in range(peaked.cfg.num_layers):
                 pb, pa = np.asarray(before.pos[layer])[r], np.asarray(after.pos[layer])[r]  # [kv_heads, capacity]
-                # the newest B slots survive, moved behind the kept ones
-                np.testing.assert_array_equal(pa[:, k:N], pb[:, length - B:length])
+                # the newest R slots survive, moved behind the kept ones
+                np.testing.assert_array_equal(pa[:, k:N], pb[:, length - recent:length])
                 assert (pa[:, N:] == -1).all()
                 np.testing.assert_array_equal(np.asarray(after.k[layer])[r, :, k:N],
-                                              np.asarray(before.k[layer])[r, :, length - B:length])
+                                              np.asarray(before.k[layer])[r, :, length - recent:length])
                 for h in range(pb.shape[0]):
-                    cand = pb[h, :length - B]
+                    cand = pb[h, :length - recent]
                     valid_cand = set(cand[cand >= 0].tolist())
                     kept = pa[h, :k]
                     kept_valid = kept[kept >= 0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import calibrations
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,9 @@ PROTECT_MODES = {"range_attn", "range_sample_attn", "vase_attnv"}
 def make_config(method, **kw):
     if method == "rkv_official":
         kw = {"rkv_window": 4} | kw
-    return EvictionConfig(method=method, budget=32, buffer=BUF, **kw).validate()  # K = 24, Nv = 8
+    if method == "triattention":  # statistics for one layer of H * G query heads
+        kw = {"calibration": calibrations.stats_file(1, H * G, D, 10000.0)} | kw
+    return EvictionConfig(method=method, budget=32, buffer=BUF, **kw).validate()  # K = 24 (N for triattention)
 
 
 def make_inputs(seed=0):
@@ -66,6 +69,9 @@ def make_inputs(seed=0):
         buffer_values=jnp.asarray(rng.normal(size=(B, H, BUF, D)), jnp.float32),
         buffer_pos=jnp.broadcast_to(jnp.arange(100, 100 + BUF, dtype=jnp.int32), (B, H, BUF)),
         state={"attention_mass": jnp.asarray(mass, jnp.float32)},
+        layer=jnp.int32(0),
+        prompt_length=jnp.asarray([0, 3, 0], jnp.int32),  # row 1: positions 0-2 are its prompt
+        next_position=jnp.full((B,), 120, jnp.int32),
     )
 
 
@@ -241,7 +247,7 @@ def random_numbers(method, cfg, x, key):
 
 # ---- tests -------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("method", EVICTING)
+@pytest.mark.parametrize("method", sorted(set(EVICTING) - {"triattention"}))  # its reference: test_triattention
 def test_method_invariants_and_numpy_reference(method, inputs):
     cfg = make_config(method)
     key = jax.random.key(1)

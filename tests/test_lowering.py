@@ -18,6 +18,7 @@ import glob
 import os
 import re
 
+import calibrations
 import jax
 import jax.numpy as jnp
 import pytest
@@ -76,7 +77,7 @@ def _lowered_texts(model, method: str) -> dict[str, str]:
     mask = jnp.ones((2, 20), jnp.int32).at[1, :5].set(0)  # row 1 left-padded
     # full-size caches (lowering costs the same whatever the sizes): several kernel blocks, a partial last one
     config = vj.GenerateConfig(max_new_tokens=4096, temperature=0.6, top_p=0.95)
-    eviction = vj.EvictionConfig(method, budget=2048, buffer=64)
+    eviction = calibrations.eviction(method, model.cfg, budget=2048, buffer=64)
     texts = {}
     for platform in KERNELS:
         with lowering_target(platform):  # jax >= 0.11 on a CPU host: an abstract GPU for the Triton lowering
@@ -153,7 +154,8 @@ def test_each_platform_lowers_its_own_program(method):
     on cpu (`model.matmuls`)."""
     model = _deep_model("bfloat16")
     ids = jnp.ones((1, 20), jnp.int32)
-    eviction = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=256, buffer=64)
+    eviction = (vj.EvictionConfig(method) if method == "full"
+                else calibrations.eviction(method, model.cfg, budget=256, buffer=64))
     for platform in ("cuda", "tpu", "cpu"):
         with lowering_target(platform):
             lowered = lower_generate(model, ids, ids, key=jax.random.key(0), eviction=eviction,

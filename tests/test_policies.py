@@ -372,7 +372,7 @@ def test_state_costs_nothing_for_stateless_policies():
         base = EvictionConfig("snapkv", budget=64, buffer=16)
         ids = jnp.ones((2, 40), jnp.int32)
         _, cache = prefill(model, ids, ids, 128, query_window(base))
-        assert cache.state == {} and len(jax.tree.leaves(cache)) == 10  # k v pos queries query_valid + 5 per-row
+        assert cache.state == {} and len(jax.tree.leaves(cache)) == 11  # k v pos queries query_valid + 6 per-row
         hlo = _decode_step_hlo(model, base)
         assert hlo == _decode_step_hlo(model, EvictionConfig("snapkv_copy", budget=64, buffer=16))
         stateful = _decode_step_hlo(model, EvictionConfig("snapkv_stateful", budget=64, buffer=16))

@@ -51,8 +51,13 @@ mask[3, :9] = 0
 def config(greedy, **kw):
     return vj.GenerateConfig(max_new_tokens=40, temperature=0.0 if greedy else 0.8, eos_token_ids=(),
                              prompt_buckets=(32,), **kw)
-def eviction(method):
-    return vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=24, buffer=8)
+def eviction(method, **kw):
+    if method == "triattention":  # statistics of random numbers (the code path, not the method's quality)
+        import tempfile
+        from vase_jax.calibration import random_statistics
+        from vase_jax.eviction.triattention import save_calibration
+        kw["calibration"] = save_calibration(tempfile.mkdtemp(), random_statistics(cfg))
+    return vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=24, buffer=8, **kw)
 """
 
 
@@ -358,9 +363,11 @@ def test_pallas_kernels_per_device_match_one_device():
 def test_one_row_per_device_matches_one_device_for_every_method():
     """A data mesh of 8 devices with a batch of 8 (one row per device, padded to the machine's `RowRule.min_rows`
     per device by `generate`): every scoring family gives the tokens and eviction counts of one device (the
-    paper's methods, H2O and KeyDiff; the reference's ablations share their scores). Greedy and sampled alternate
-    over the methods (a subprocess compiles 2 programs per method)."""
-    methods = ["full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff"]
+    paper's methods, H2O, KeyDiff and TriAttention; the reference's ablations share their scores). Greedy and
+    sampled alternate over the methods (a subprocess compiles 2 programs per method). Then TriAttention's modes
+    that agree over heads (union: the max over every head; per_head) with the heads split over 4 devices."""
+    methods = ["full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_attnv", "vase_dkv", "h2o", "keydiff",
+               "triattention"]
     result = run_devices(f"""
         rows = []
         mesh_model = shard_model(model, make_mesh(8, 1))
@@ -375,9 +382,19 @@ def test_one_row_per_device_matches_one_device_for_every_method():
                                                                  for x, y in zip(a, b)],
                              evictions=np.asarray(out.row_evictions).tolist(),
                              ref_evictions=np.asarray(ref.row_evictions).tolist()))
+        heads_mesh = shard_model(model, make_mesh(2, 4))
+        for mode in ("union", "per_head"):
+            ev = eviction("triattention", mode=mode)
+            ref = vj.generate(model, ids, mask, key=jax.random.key(3), config=config(True), eviction=ev)
+            out = vj.generate(heads_mesh, ids, mask, key=jax.random.key(3), config=config(True), eviction=ev)
+            a, b = np.asarray(out.tokens), np.asarray(ref.tokens)
+            rows.append(dict(method="triattention " + mode, greedy=True,
+                             same=[int(np.argmin(np.append(x == y, False))) for x, y in zip(a, b)],
+                             evictions=np.asarray(out.row_evictions).tolist(),
+                             ref_evictions=np.asarray(ref.row_evictions).tolist()))
         print(json.dumps(rows))
     """, devices=8, timeout=900)
-    assert [r["method"] for r in result] == methods
+    assert [r["method"] for r in result] == methods + ["triattention union", "triattention per_head"]
     for row in result:
         assert row["same"] == [40] * 8, row  # the first differing step per row (40: none)
         assert row["evictions"] == row["ref_evictions"], row

@@ -364,6 +364,7 @@ def run(
     eviction.validate()
     if not isinstance(model, Qwen3):
         raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
+    framework.check_model(eviction, model.cfg)
     validate_requests(requests, rows, config)
     if queue is not None and (not isinstance(queue, int) or isinstance(queue, bool) or queue < 1):
         raise ValueError(f"queue={queue!r} must be a positive int (samples prefilled per round)")

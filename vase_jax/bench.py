@@ -268,6 +268,7 @@ def filled_cache(
         k=normals(kk, empty.k), v=normals(kv, empty.v), queries=normals(kq, empty.queries),
         pos=jnp.broadcast_to(jnp.where(slot < length, slot, -1), empty.pos.shape),
         query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=filled(), length=filled(), seen=filled(),
+        prompt_length=jnp.zeros(empty.prompt_length.shape, jnp.int32),
         evictions=jnp.zeros(empty.evictions.shape, jnp.int32), active=jnp.ones(empty.active.shape, bool),
         state={name: jnp.where(slot < length, jax.random.uniform(jax.random.fold_in(kq, i), x.shape), 0.0)
                for i, (name, x) in enumerate(empty.state.items())})
@@ -314,7 +315,8 @@ def filled_tiered_cache(cfg: Qwen3Config, batch: int, layout, live: int, window:
         qpos=jnp.broadcast_to(jnp.where(slotq < nq, slotq, -1), empty.qpos.shape),
         qlength=counter(nq), value_range=jnp.zeros(empty.value_range.shape, jnp.float32),
         query_valid=jnp.ones(empty.query_valid.shape, bool), row_pos=counter(live), length=counter(n16),
-        seen=counter(live), evictions=counter(0), active=jnp.ones(empty.active.shape, bool), state={})
+        seen=counter(live), prompt_length=counter(0), evictions=counter(0), active=jnp.ones(empty.active.shape, bool),
+        state={})
 
 
 @functools.partial(target_jit, static_argnums=(0, 5, 6, 7), target_argnum=7, donate_argnums=(2,))

@@ -11,11 +11,12 @@ weights at the prefill and at every decode step (`prefill_state`, `update_state`
 nothing, for every other policy.
 
 Every row is its own sequence (the reference's batch of one): per-row [batch] counters `length` (slots in use),
-`seen` (the reference's `cur_len`, which drives the row's eviction trigger), `row_pos` (the next token's RoPE
-position = real tokens written so far, also the row's ring clock), `evictions` (the row's eviction count, which
-keys its eviction randomness) and `active` (the row takes a token at the next decode step; a waiting or finished
-row's step writes nothing and counts nothing). A prompt is stored without its padding: row b's real tokens sit in
-slots [0, P_b), whatever bucket the batch was padded to, so a row's cache never depends on the other rows.
+`seen` (the reference's `cur_len`, which drives the row's eviction trigger), `prompt_length` (P_b), `row_pos`
+(the next token's RoPE position = real tokens written so far, also the row's ring clock), `evictions` (the row's
+eviction count, which keys its eviction randomness) and `active` (the row takes a token at the next decode step;
+a waiting or finished row's step writes nothing and counts nothing). A prompt is stored without its padding: row
+b's real tokens sit in slots [0, P_b), whatever bucket the batch was padded to, so a row's cache never depends on
+the other rows.
 
 Decode writes are per-row scatters at slot `length[b]` (in place inside the loop; an inactive row's write goes to
 an out-of-range slot and is dropped). The decode attention reads each row's slots [0, length[b]) (the kernels
@@ -53,6 +54,7 @@ CACHE_AXES = {
     "row_pos": ("batch",),
     "length": ("batch",),
     "seen": ("batch",),
+    "prompt_length": ("batch",),
     "evictions": ("batch",),
     "active": ("batch",),
 }
@@ -96,6 +98,7 @@ class KVCache:
     row_pos: jax.Array  # [batch] int32: next RoPE position = real tokens written (the ring's clock)
     length: jax.Array  # [batch] int32: slots in use
     seen: jax.Array  # [batch] int32: the reference's cur_len (trigger counter)
+    prompt_length: jax.Array  # [batch] int32: the row's real prompt tokens P_b (positions [0, P_b))
     evictions: jax.Array  # [batch] int32: evictions of the row so far
     active: jax.Array  # [batch] bool: the row takes a token at the next decode step
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
@@ -172,6 +175,7 @@ def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, 
         row_pos=jnp.zeros(shapes["row_pos"], jnp.int32),
         length=jnp.zeros(shapes["length"], jnp.int32),
         seen=jnp.zeros(shapes["seen"], jnp.int32),
+        prompt_length=jnp.zeros(shapes["prompt_length"], jnp.int32),
         evictions=jnp.zeros(shapes["evictions"], jnp.int32),
         active=jnp.ones(shapes["active"], bool),
     )
@@ -248,7 +252,7 @@ def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
     pos = jnp.broadcast_to(positions[None, :, None, :], cache.pos.shape[:3] + (t,))  # [layers, batch, kv_heads, seq]
     return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos, (0, 0, 0, 0)),
                          query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, length=real, seen=real,
-                         evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
+                         prompt_length=real, evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
 
 
 def _write_slots(cache: KVCache) -> jax.Array:

@@ -219,6 +219,7 @@ def _validate_inputs(model, input_ids, attention_mask, config: GenerateConfig, e
         raise ValueError(f"model must be a vase_jax.Qwen3, got {type(model).__name__}")
     config.validate()
     eviction.validate()
+    framework.check_model(eviction, model.cfg)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:

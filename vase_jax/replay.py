@@ -93,6 +93,7 @@ def replay(model: Qwen3, input_ids, attention_mask, reference, lengths, *, key: 
     config = dataclasses.replace(config, max_new_tokens=int(reference.shape[1]))
     config.validate()
     eviction.validate()
+    framework.check_model(eviction, model.cfg)
     target = generate_target(model, config)
     t = config.bucket(input_ids.shape[1])
     if t > input_ids.shape[1]:

@@ -193,6 +193,13 @@ def model_mesh(model) -> Mesh | None:
     return meshes.pop() if meshes else None
 
 
+def across_model(x: jax.Array, reduce) -> jax.Array:
+    """`reduce(x, "model")` (e.g. `jax.lax.pmax`) inside a `shard_map` manual over "model" (the per-device
+    eviction), where heads are split over devices; x itself elsewhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return reduce(x, "model") if "model" in getattr(mesh, "manual_axes", ()) else x
+
+
 def local_kv_heads(num_local: int) -> tuple[jax.Array, int]:
     """(global indices [num_local] int32 of the kv heads this code sees, the global number of kv heads).
 

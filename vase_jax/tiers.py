@@ -138,6 +138,9 @@ def tier_layout(kv_bits: KVBits, protected: int | None, eviction: EvictionConfig
     buffer = eviction.buffer
     if buffer < 1:
         raise ValueError(f"EvictionConfig.buffer={buffer} must be >= 1 (the mixed-precision cache's period)")
+    if eviction.evicts and not METHODS[eviction.method].mixed_precision:
+        raise ValueError(f"EvictionConfig.method={eviction.method!r} does not run on the mixed-precision cache "
+                         f"(key_bits={kv_bits.key_bits}, value_bits={kv_bits.value_bits}); use 16 and 16")
     virtual = (max(prompt_slots, eviction.budget) + buffer if eviction.evicts
                else prompt_slots + max_new_tokens)
     p = default_protected(eviction, virtual) if protected is None else protected
@@ -379,7 +382,7 @@ def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
     recent = real % t.buffer
     quantized = jnp.maximum(real - recent - t.protected, 0)
     return cache.replace(query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, seen=real,
-                         length=t.protected + recent, qlength=jnp.minimum(quantized, t.quant_slots),
+                         prompt_length=real, length=t.protected + recent, qlength=jnp.minimum(quantized, t.quant_slots),
                          evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
 
 

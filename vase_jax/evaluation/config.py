@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vase_jax.eviction import METHODS
 from vase_jax.eviction.config import EvictionConfig
+from vase_jax.eviction.triattention import calibrate_command, stats_path
 from vase_jax.generate import GenerateConfig
 from vase_jax.kvquant import KVBits
 from vase_jax.random_model import RANDOM_MODELS
@@ -31,7 +32,11 @@ DTYPES = ("bfloat16", "float32")
 SCHEDULERS = ("continuous", "static")
 AUTO = "auto"  # --batch-size: the most rows the device fits, per (method, budget) (`vase_jax.planner`)
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
-                 "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype", "kv_protected")
+                 "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype", "kv_protected",
+                 "calibration_sha256")
+# Result fields of some methods only (TriAttention's statistics): compared when both runs set them, and kept in
+# config.json by a later run that does not (so that a run of other methods can resume the folder).
+METHOD_FIELDS = ("calibration_sha256",)
 BF16 = "K16V16"  # the `kv_bits` of the 16-bit cache (`KVBits().name`)
 FORMAT = 1  # bump when the records' meaning changes
 
@@ -68,6 +73,9 @@ class EvalConfig:
     kv_protected: int | None = None
     kv_methods: tuple[str, ...] | None = None  # the methods run with the mixed-precision settings (None: all)
     eos_token_ids: tuple[int, ...] | None = None  # the model's end tokens (`runner.end_tokens`; None: Qwen3's)
+    # TriAttention's query statistics (a file; None when no method takes a calibration) and its bytes' digest
+    calibration: str | None = None
+    calibration_sha256: str = ""
     format: int = FORMAT
 
     @property
@@ -90,7 +98,8 @@ class EvalConfig:
     def eviction(self, method: str, budget: int | None) -> EvictionConfig:
         if method == "full":
             return EvictionConfig("full")
-        return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots)
+        own = {"calibration": self.calibration} if "calibration" in METHODS[method].option_names else {}
+        return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots, **own)
 
     def generate_config(self, max_new_tokens: int, kv_bits: str = BF16) -> GenerateConfig:
         kv = KVBits.parse(kv_bits)
@@ -193,7 +202,7 @@ def resolve(
     top_p: float | None = None, top_k: int | None = None, batch_size: int | None = None,
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
     tests_dir: str | None = None, scheduler: str = "continuous", kv_bits: tuple[str, ...] = (BF16,),
-    kv_protected: int | None = None, kv_methods: tuple[str, ...] | None = None,
+    kv_protected: int | None = None, kv_methods: tuple[str, ...] | None = None, calibration: str | None = None,
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -245,8 +254,10 @@ def resolve(
     if data is None and t.data_dir is None and t.grader != "code":
         raise ValueError(f"--task {t.name} has no packaged data; pass --data FILE.jsonl "
                          "(format: vase_jax/data/tasks/README.md)")
+    model = check_model(model)
+    calibration = _calibration(model, methods, calibration)
     cfg = EvalConfig(
-        model=check_model(model), task=t.name, data=str(Path(data).resolve()) if data else None,
+        model=model, task=t.name, data=str(Path(data).resolve()) if data else None,
         tests_dir=str(Path(tests_dir).resolve()) if tests_dir else None, data_sha256="", methods=methods,
         budgets=budgets, buffer=buffer, value_slots=value_slots,
         samples=samples, max_new_tokens=max_new_tokens,
@@ -255,7 +266,8 @@ def resolve(
         top_p=t.top_p if top_p is None else float(top_p), top_k=t.top_k if top_k is None else top_k,
         batch_size=batch_size or t.batch_size or samples, limit=t.num_problems if limit is None else limit,
         seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text, scheduler=scheduler,
-        kv_bits=kv_bits, kv_protected=kv_protected, kv_methods=kv_methods,
+        kv_bits=kv_bits, kv_protected=kv_protected, kv_methods=kv_methods, calibration=calibration,
+        calibration_sha256=hashlib.sha256(Path(calibration).read_bytes()).hexdigest() if calibration else "",
     )
     try:
         cfg.generate_config(cfg.max_new_tokens or 1).validate()
@@ -278,6 +290,25 @@ def resolve(
     return dataclasses.replace(cfg, data_sha256=data_sha256(t, data)), problems
 
 
+def _calibration(model: str, methods: tuple[str, ...], given: str | None) -> str | None:
+    """The statistics file of the methods that take a calibration (TriAttention): --calibration, else the one in
+    the model's folder; None when no method takes one. ValueError naming the flag and the command that makes it."""
+    takers = [m for m in methods if m != "full" and "calibration" in METHODS[m].option_names]
+    if not takers:
+        if given is not None:
+            raise ValueError("--calibration is for --methods triattention")
+        return None
+    if given is None and (model.startswith(RANDOM_PREFIX) or not os.path.isdir(model)):
+        raise ValueError(f"--methods {','.join(takers)} with --model {model}: pass --calibration FILE (make it with "
+                         f"`{calibrate_command('FOLDER')} --text TEXT --out FILE` on the model's checkpoint folder)")
+    path = stats_path(given or model)
+    if not os.path.isfile(path):
+        raise ValueError(f"--methods {','.join(takers)}: no calibration at {path}; make it with "
+                         f"`{calibrate_command(model if given is None else 'FOLDER')}`"
+                         + ("" if given is None else " --out " + path))
+    return path
+
+
 def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
     """Refuse an output folder written under settings that change results; name the first differing field."""
     saved_file = out_dir / "config.json"
@@ -294,6 +325,8 @@ def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
         raise ValueError(f"{saved_file}: unreadable ({e}); use a new --out") from None
     now = cfg.to_json()
     for field in ("format", *RESULT_FIELDS):
+        if field in METHOD_FIELDS and not (saved.get(field) and now[field]):
+            continue
         if saved.get(field) != now[field]:
             raise ValueError(
                 f"--out {out_dir} was run with {field}={saved.get(field)!r}, now {field}={now[field]!r}; "
@@ -304,6 +337,12 @@ def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
 def write_config(cfg: EvalConfig, out_dir: Path) -> None:
     """Atomically write `out_dir/config.json` (the latest invocation; result fields never change)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    fields = cfg.to_json()
+    try:
+        saved = json.loads((out_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        saved = {}
+    fields |= {f: saved[f] for f in METHOD_FIELDS if not fields[f] and saved.get(f)}
     tmp = out_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    tmp.write_text(json.dumps(fields, indent=2) + "\n")
     os.replace(tmp, out_dir / "config.json")

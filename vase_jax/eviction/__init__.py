@@ -4,13 +4,21 @@ Importing this package registers every policy in `METHODS` (name -> `Policy`). `
 policy: `EvictionConfig("full")` turns the framework off.
 """
 
-from vase_jax.eviction import attention, cur, h2o, keydiff, rkv, scores, uniform  # noqa: F401  (registration)
+from vase_jax.eviction import (  # noqa: F401  (registration)
+    attention,
+    cur,
+    h2o,
+    keydiff,
+    rkv,
+    scores,
+    triattention,
+    uniform,
+)
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import (
     METHODS,
     NO_EVICTION,
     EvictionInputs,
-    Method,
     NoOptions,
     Policy,
     SlotState,
@@ -23,7 +31,6 @@ __all__ = [
     "NO_EVICTION",
     "EvictionConfig",
     "EvictionInputs",
-    "Method",
     "NoOptions",
     "Policy",
     "SlotState",

@@ -86,9 +86,16 @@ class EvictionConfig:
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property
+    def recent(self) -> int:
+        """R: the newest slots an eviction keeps without scoring them (not candidates). B, unless the policy's
+        options define `recent_slots(config)` (TriAttention's reference lets the newest tokens compete: R = 0)."""
+        own = getattr(self.options, "recent_slots", None)
+        return self.buffer if own is None else own(self)
+
+    @property
     def kept(self) -> int:
-        """K = N - B: slots kept from the candidates at each eviction."""
-        return self.budget - self.buffer
+        """K = N - R: slots kept from the candidates at each eviction (N - B unless the policy sets R)."""
+        return self.budget - self.recent
 
     @property
     def num_value_slots(self) -> int:
@@ -127,7 +134,7 @@ class EvictionConfig:
         if nv < 0 or nv + self.sink_slots > self.kept:
             raise ValueError(
                 f"EvictionConfig.value_slots={nv} with sink_slots={self.sink_slots} must satisfy "
-                f"0 <= value_slots and value_slots + sink_slots <= budget - buffer = {self.kept}"
+                f"0 <= value_slots and value_slots + sink_slots <= budget - recent slots = {self.kept}"
             )
         check = getattr(self.options, "validate", None)
         if check is not None:

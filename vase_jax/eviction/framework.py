@@ -10,6 +10,11 @@ token, with `n` its own `seen` (the reference's `cur_len`):
         slots [K, N)  <- the newest B slots
         length[b] = n = N
 
+A policy may keep R = `recent_slots` newest slots instead of B (`EvictionConfig.recent`: TriAttention's reference
+keeps none, R = 0, and lets the newest tokens compete); then the candidates are slots [0, length[b] - R) and
+K = N - R. A policy that combines its scores over layers (`Policy.layer_combine`) selects once per event and every
+layer keeps the same slots (`shared_selection`).
+
 One event evicts exactly the rows whose trigger fires; the other rows keep their slots untouched. A policy sees
 its layer's candidates, the newest B slots (`buffer_keys`, `buffer_values`, `buffer_pos`), the query ring (if it
 declares `needs_queries`) and its per-slot state (`inputs.state`, if it declares any); `run_policy` checks the
@@ -91,20 +96,28 @@ def _newest(x: jax.Array, length: jax.Array, buffer: int) -> jax.Array:
     return _gather_slots(x, jnp.broadcast_to(idx[:, None], x.shape[:2] + (buffer,)))
 
 
-def _compacted_slots(kept: jax.Array, length: jax.Array, capacity: int, budget: int, buffer: int) -> jax.Array:
+def _compacted_slots(kept: jax.Array, length: jax.Array, capacity: int, budget: int, recent: int) -> jax.Array:
     """[batch, kv_heads, capacity] source slot of every slot after an eviction: the kept candidates to [0, K),
-    each row's newest `buffer` slots to [K, N), slots >= N unchanged (stale)."""
-    k = budget - buffer
+    each row's newest `recent` slots to [K, N) (K = N - recent), slots >= N unchanged (stale)."""
+    k = budget - recent
     slot = jnp.arange(capacity)
-    recent = length[:, None, None] - budget + slot  # slot j in [K, N) <- length - B + (j - K)
+    newest = length[:, None, None] - budget + slot  # slot j in [K, N) <- length - R + (j - K)
     kept_full = jnp.pad(kept, ((0, 0), (0, 0), (0, capacity - k)))  # [batch, kv_heads, capacity]
-    src = jnp.where(slot < k, kept_full, jnp.where(slot < budget, recent, slot))
+    src = jnp.where(slot < k, kept_full, jnp.where(slot < budget, newest, slot))
     return jnp.clip(src, 0, capacity - 1)
 
 
 def slot_state(eviction: EvictionConfig) -> tuple[SlotState, ...]:
     """The per-slot state arrays the cache keeps for this configuration (none for "full")."""
     return METHODS[eviction.method].state if eviction.evicts else ()
+
+
+def check_model(eviction: EvictionConfig, cfg) -> None:
+    """The policy's checks against the model (`options.check_model(cfg)`, e.g. TriAttention's statistics must be
+    of its shape), before anything compiles."""
+    check = getattr(eviction.options, "check_model", None)
+    if check is not None:
+        check(cfg)
 
 
 def check_policy_inputs(num_candidates: int, eviction: EvictionConfig) -> None:
@@ -123,20 +136,20 @@ def run_policy(inputs: EvictionInputs, eviction: EvictionConfig, key: jax.Array)
     return kept
 
 
-def select_layer(
-    cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array,
+def layer_inputs(
+    cache: KVCache, layer, eviction: EvictionConfig, layer_key: jax.Array, row_ids: jax.Array,
     attention_impl: str = "auto",
-) -> jax.Array:
-    """Run the policy on one layer's candidates -> kept [batch, kv_heads, K] (indices into slots [0, L)); row b's
-    candidates are its slots [0, length[b] - B). `key`, `layer_key`: one key, or one per row [batch]."""
+) -> EvictionInputs:
+    """What a policy sees of one layer: row b's candidates are its slots [0, length[b] - R) (R =
+    `eviction.recent`, the newest slots that are kept unscored), padded to the static L = capacity - R."""
     method = METHODS[eviction.method]
-    buffer = eviction.buffer
-    num_candidates = cache.capacity - buffer  # static L
+    recent = eviction.recent
+    num_candidates = cache.capacity - recent  # static L
     slot = jnp.arange(num_candidates)
     keys = cache.layer_keys(layer)  # [batch, kv_heads, capacity, head_dim]
     values = cache.layer_values(layer)
     layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
-    pos = jnp.where(slot < (cache.length - buffer)[:, None, None], layer_pos[:, :, :num_candidates], -1)
+    pos = jnp.where(slot < (cache.length - recent)[:, None, None], layer_pos[:, :, :num_candidates], -1)
 
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
@@ -144,7 +157,7 @@ def select_layer(
         b, h = pos.shape[:2]
         queries = jnp.zeros((b, h, 1, 0, keys.shape[-1]), keys.dtype)
         query_valid = jnp.zeros((b, 0), bool)
-    inputs = EvictionInputs(
+    return EvictionInputs(
         keys=keys[:, :, :num_candidates],
         values=values[:, :, :num_candidates],
         queries=queries,
@@ -152,13 +165,46 @@ def select_layer(
         pos=pos,
         layer_key=layer_key,
         row_ids=row_ids,
-        buffer_keys=_newest(keys, cache.length, buffer),
-        buffer_values=_newest(values, cache.length, buffer),
-        buffer_pos=_newest(layer_pos, cache.length, buffer),
+        buffer_keys=_newest(keys, cache.length, recent),
+        buffer_values=_newest(values, cache.length, recent),
+        buffer_pos=_newest(layer_pos, cache.length, recent),
         state={s.name: layer_of(cache.state[s.name], layer)[:, :, :num_candidates] for s in method.state},
+        layer=layer,
+        prompt_length=cache.prompt_length,
+        next_position=cache.row_pos,
         attention_impl=attention_impl,
     )
-    return run_policy(inputs, eviction, key)
+
+
+def select_layer(
+    cache: KVCache, layer, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array, row_ids: jax.Array,
+    attention_impl: str = "auto",
+) -> jax.Array:
+    """Run the policy on one layer's candidates (`layer_inputs`) -> kept [batch, kv_heads, K] (indices into
+    slots [0, L)). `key`, `layer_key`: one key, or one per row [batch]."""
+    return run_policy(layer_inputs(cache, layer, eviction, layer_key, row_ids, attention_impl), eviction, key)
+
+
+def shared_selection(cache: KVCache, eviction: EvictionConfig, key: jax.Array, layer_key: jax.Array,
+                     row_ids: jax.Array, layers, attention_impl: str = "auto") -> jax.Array:
+    """One kept set [batch, kv_heads, K] for every layer, for a policy that combines its per-layer scores
+    (`Policy.layer_combine`): S = mean or max over the `layers` (a traced count: 0 when no row is due) of
+    `layer_score(layer l's inputs)`, then the policy's `select` on layer 0's inputs with `shared_score` = S.
+    Slot j holds the same token in every layer, since every eviction before this one was shared too."""
+    policy = METHODS[eviction.method]
+    combine = policy.layer_combine(eviction)
+
+    def add(layer, total):
+        score = policy.layer_score(layer_inputs(cache, layer, eviction, layer_key, row_ids, attention_impl),
+                                   eviction).astype(jnp.float32)  # [batch, kv_heads, L]
+        return total + score if combine == "mean" else jnp.maximum(total, score)
+
+    first = layer_inputs(cache, 0, eviction, layer_key, row_ids, attention_impl)
+    start = 0.0 if combine == "mean" else -jnp.inf
+    total = jax.lax.fori_loop(0, layers, add, jnp.full(first.pos.shape, start, jnp.float32))
+    if combine == "mean":
+        total = total / cache.num_layers
+    return run_policy(first.replace(shared_score=total), eviction, key)
 
 
 def evict_per_device(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
@@ -196,22 +242,32 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
     With no row to evict the loop runs zero times: a caller may call this at every point where an event may be
     due, with no conditional around it (XLA:GPU copies the whole cache into and out of a conditional's branches).
     """
-    budget, buffer = eviction.budget, eviction.buffer
+    budget, recent = eviction.budget, eviction.recent
     rows = rows_to_evict(cache, eviction) if rows is None else rows
     stale = jnp.arange(cache.capacity) >= budget  # slots >= N hold nothing after the event
     key = typed_key(key)
     per_row = key if key.ndim == 1 else None
     b = cache.length.shape[0]
 
-    def one_layer(layer, c: KVCache) -> KVCache:
+    def keys_of(layer, c: KVCache) -> tuple[jax.Array, jax.Array]:  # (event key [batch], layer key)
         if per_row is None:
             layer_key = jax.random.fold_in(key, layer)
-            event_key = fold_rows(jnp.broadcast_to(layer_key, (b,)), c.evictions)  # [batch]
+            return fold_rows(jnp.broadcast_to(layer_key, (b,)), c.evictions), layer_key
+        layer_key = fold_rows(per_row, jnp.full((b,), layer, jnp.int32))
+        return fold_rows(layer_key, c.evictions), layer_key
+
+    layers = jnp.where(jnp.any(rows), cache.num_layers, 0)  # no row due: nothing to do
+    shared = None
+    if METHODS[eviction.method].layer_combine(eviction):
+        with jax.named_scope("eviction_scores"):
+            shared = shared_selection(cache, eviction, *keys_of(0, cache), row_ids, layers, attention_impl)
+
+    def one_layer(layer, c: KVCache) -> KVCache:
+        if shared is None:
+            kept = select_layer(c, layer, eviction, *keys_of(layer, c), row_ids, attention_impl)
         else:
-            layer_key = fold_rows(per_row, jnp.full((b,), layer, jnp.int32))
-            event_key = fold_rows(layer_key, c.evictions)
-        kept = select_layer(c, layer, eviction, event_key, layer_key, row_ids, attention_impl)
-        src = _compacted_slots(kept, c.length, c.capacity, budget, buffer)  # [batch, kv_heads, capacity]
+            kept = shared
+        src = _compacted_slots(kept, c.length, c.capacity, budget, recent)  # [batch, kv_heads, capacity]
         src = jnp.where(rows[:, None, None], src, jnp.arange(c.capacity))  # rows not evicted: every slot stays
         cleared = stale & rows[:, None, None]  # [batch, 1 | kv_heads, capacity]: slots >= N of evicted rows
         b_idx = jnp.arange(b)[:, None, None]
@@ -227,7 +283,6 @@ def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax
         state = {name: update(x, 0.0) for name, x in c.state.items()}
         return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
 
-    layers = jnp.where(jnp.any(rows), cache.num_layers, 0)  # no row due: nothing to do
     with jax.named_scope("eviction"):
         cache = jax.lax.fori_loop(0, layers, one_layer, cache)
     return cache.replace(length=jnp.where(rows, budget, cache.length), seen=jnp.where(rows, budget, cache.seen),

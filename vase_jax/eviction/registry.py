@@ -51,6 +51,12 @@ class EvictionInputs:
     # mixed-precision cache, `vase_jax.tiers`, whose quantized values would give a slightly different Range);
     # None: Range is computed from `values`.
     value_range: jax.Array | None = None  # [batch, kv_heads, L] float32
+    layer: jax.Array | int = 0  # the layer these candidates belong to (traced inside the framework's layer loop)
+    prompt_length: jax.Array | None = None  # [batch] int32: the row's prompt tokens (positions [0, P_b))
+    next_position: jax.Array | None = None  # [batch] int32: the position of the row's next token
+    # The policy's score combined over every layer (`Policy.layer_score`, `Policy.across_layers`), when the
+    # kept set is shared by all layers; None otherwise.
+    shared_score: jax.Array | None = None  # [batch, kv_heads, L] float32
     attention_impl: str = struct.field(pytree_node=False, default="auto")  # scoring kernels: auto | xla | pallas
 
     @property
@@ -99,13 +105,20 @@ class Policy:
     options: type = NoOptions  # frozen dataclass of the policy's parameters
     state: tuple[SlotState, ...] = ()  # per-slot arrays kept in the cache
     doc: str = ""
+    # A policy whose kept set can be shared by every layer: `across_layers(config)` says how its per-layer
+    # `layer_score(inputs, config)` [batch, kv_heads, L] combine ("mean" or "max"; "" keeps one set per layer).
+    # The framework then scores every layer, combines, and calls `select` once with `inputs.shared_score`.
+    layer_score: Callable | None = None
+    across_layers: Callable | None = None
+    mixed_precision: bool = True  # runs on the mixed-precision cache (`vase_jax.tiers`)
+
+    def layer_combine(self, config) -> str:
+        """How this configuration combines per-layer scores into one kept set: "mean", "max" or "" (per layer)."""
+        return "" if self.across_layers is None else self.across_layers(config)
 
     @property
     def option_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.options))
-
-
-Method = Policy  # the former name
 
 
 METHODS: dict[str, Policy] = {}
@@ -119,6 +132,9 @@ def register(
     options: type = NoOptions,
     state: tuple[SlotState, ...] = (),
     doc: str = "",
+    layer_score: Callable | None = None,
+    across_layers: Callable | None = None,
+    mixed_precision: bool = True,
 ) -> Callable[[SelectFn], SelectFn]:
     """Decorator: register `select` under `name` so that `EvictionConfig(method=name, **options)` uses it."""
     if name == NO_EVICTION:
@@ -133,12 +149,14 @@ def register(
     names = [s.name for s in state]
     if len(set(names)) != len(names):
         raise ValueError(f"register({name!r}): state names {names} must be distinct")
+    if (layer_score is None) != (across_layers is None):
+        raise ValueError(f"register({name!r}): layer_score and across_layers go together")
 
     def wrap(select: SelectFn) -> SelectFn:
         if name in METHODS:
             raise ValueError(f"eviction method {name!r} is already registered")
         METHODS[name] = Policy(name, select, needs_queries, stochastic, options, tuple(state),
-                               doc or (select.__doc__ or "").strip())
+                               doc or (select.__doc__ or "").strip(), layer_score, across_layers, mixed_precision)
         return select
 
     return wrap
