@@ -19,8 +19,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")  # read by jax.distributed
-
 
 def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
     """ValueError for inconsistent multi-process flags; True when this is a multi-process run (flags, or the

@@ -72,12 +72,6 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence[Any] | None = Non
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def mesh_from_spec(text: str, devices: Sequence[Any] | None = None) -> Mesh:
-    """`make_mesh` from "data=D,model=M"."""
-    sizes = parse_mesh(text)
-    return make_mesh(sizes["data"], sizes["model"], devices)
-
-
 def spec_for(axes: Sequence[str], mesh: Mesh | None = None) -> PartitionSpec:
     """The `PartitionSpec` of an array whose axes are named `axes` (`RULES`; axes of size-1 mesh dims stay named:
     sharding over one device is replication)."""

@@ -22,11 +22,6 @@ from vase_jax.evaluation.records import Key, RecordStore
 from vase_jax.tasks import pass_at_1
 
 
-def variant_name(method: str, budget: int | None, kv_bits: str = "K16V16") -> str:
-    name = method if budget is None else f"{method}@{budget}"
-    return name if kv_bits == "K16V16" else f"{name} {kv_bits}"
-
-
 def method_label(method: str, kv_bits: str) -> str:
     """A summary row's method column: the method, with its cache setting when it is not the 16-bit cache."""
     return method if kv_bits == "K16V16" else f"{method} {kv_bits}"

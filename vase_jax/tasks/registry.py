@@ -41,7 +41,6 @@ import difflib
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
 PROMPT_STYLES = ("math", "gsm8k", "raw")
-GRADERS = ("math", "gsm8k", "choice", "code", "exact")
 
 
 def build_prompt(question: str, style: str) -> str:
