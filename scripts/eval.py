@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "or 4 bits, the slots of largest Range(v) and the recent B in 16 bits), e.g. bf16,K8V8,K4V4 "
                    "(default: bf16; with the packaged model: bf16,K8V8,K4V4)")
     p.add_argument("--kv-methods", type=_csv(str),
-                   help="the methods that run with the mixed-precision settings of --kv-bits (default: all of "
-                   "--methods; with the packaged model: full,vase_dkv)")
+                   help="the methods that run with the mixed-precision settings of --kv-bits (default: those of "
+                   "--methods that run on that cache, every one but triattention; with the packaged model: "
+                   "full,vase_dkv)")
     p.add_argument("--kv-protected", type=int,
                    help="16-bit slots of a mixed-precision cache kept for their Range(v) (default: Nv with "
                    "vase_attnv and the range_* methods, 0 with the other evicting methods, a quarter of the cache "

@@ -82,8 +82,8 @@ def test_smoke_schedule_and_cache_bytes(smoke):
         assert r["evictions"] == r["evictions_expected"]
         assert r["cache_length_end"] == r["cache_length_expected"]
         per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * (2 * cfg.head_dim * 4 + 4)  # batch 2, k+v f32, pos
-        # + row_pos, length, seen, evictions ([batch] int32) and active ([batch] bool)
-        assert r["cache_bytes"] == r["capacity"] * per_slot + 4 * 2 * 4 + 2
+        # + row_pos, length, seen, evictions, prompt_length ([batch] int32) and active ([batch] bool)
+        assert r["cache_bytes"] == r["capacity"] * per_slot + 5 * 2 * 4 + 2
     runs = {r["method"]: r for r in result["runs"]}
     align = getattr(framework, "CAPACITY_ALIGN", 1)
     for method, slots in (("full", 64 + 64), ("vase_dkv", max(64, 32) + 8)):

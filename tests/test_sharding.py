@@ -301,8 +301,8 @@ def test_plan_script_counts_per_device_bytes():
     per_row_head = cfg.num_layers * cap * (2 * cfg.head_dim * 2 + 4) + cfg.num_layers * cfg.group * window * \
         cfg.head_dim * 2  # k, v, pos, queries per (row, kv head)
     # rows and heads over 4 devices; per row over 2: query_valid [4, window] bool, row_pos, length, seen,
-    # evictions [4] int32, active [4] bool
-    cache = per_row_head * 4 * cfg.num_kv_heads // 4 + (4 * window + 4 * 4 * 4 + 4) // 2
+    # evictions, prompt_length [4] int32, active [4] bool
+    cache = per_row_head * 4 * cfg.num_kv_heads // 4 + (4 * window + 5 * 4 * 4 + 4) // 2
     got = out["per_device_bytes"]
     assert got["weights"] == weights
     assert got["cache"] == cache

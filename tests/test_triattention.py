@@ -327,3 +327,22 @@ def test_eval_finds_the_models_calibration_and_guards_resume(tmp_path):
     ev.write_config(others, out)
     with pytest.raises(ValueError, match=r"calibration_sha256="):  # ... and the folder remembers them
         ev.check_resume(other, out)
+
+
+def test_eval_runs_the_mixed_precision_cache_for_the_methods_that_have_it():
+    """TriAttention's kept set is shared over layers, which the mixed-precision cache does not do: a --kv-bits
+    run leaves it out of the mixed-precision variants by default and refuses it when --kv-methods names it."""
+    from vase_jax import evaluation as ev
+    from vase_jax.evaluation.config import packaged_model_dir
+
+    packaged = str(packaged_model_dir())
+    cfg, _ = ev.resolve(model=packaged, task="varchain", methods=("full", "triattention", "vase_dkv"), limit=1,
+                        budgets=(96,), kv_bits=("bf16", "K4V4"))
+    assert cfg.variants == (("full", None, "K16V16"), ("triattention", 96, "K16V16"), ("vase_dkv", 96, "K16V16"),
+                            ("full", None, "K4V4"), ("vase_dkv", 96, "K4V4"))
+    with pytest.raises(ValueError, match=r"--kv-methods: 'triattention' does not run on the mixed-precision cache "
+                                         r"of --kv-bits K4V4; methods that do: full, "):
+        ev.resolve(model=packaged, task="varchain", methods=("triattention",), limit=1, kv_bits=("K4V4",),
+                   kv_methods=("triattention",))
+    plain, _ = ev.resolve(model=packaged, task="varchain", methods=("full", "vase_dkv"), limit=1, kv_bits=("K4V4",))
+    assert plain.kv_methods is None  # every method runs on it: nothing left out
