@@ -10,9 +10,9 @@
 
 `get_decode_attention(impl)`, `get_decode_partials(impl)`, `get_quant_decode_partials(impl)` and
 `get_window_mass(impl, xla)` return the implementation for `impl` (see `dispatch`: "auto" picks the kernel of the
-platform being lowered for, the XLA path elsewhere). This package imports nothing from `vase_jax` at import time:
-the window score's equation and its reference live there, and call in here; the quantized segment's XLA reference
-(`vase_jax.quant_attention`, which imports this package) is imported when its implementation is chosen.
+platform being lowered for, the XLA path elsewhere). This package imports nothing from `vase_jax`: the window
+score's equation and its reference live there and call in here, and the quantized segment's XLA reference
+(`vase_jax.quant_attention`) is passed in by its caller.
 """
 
 from __future__ import annotations
@@ -133,12 +133,13 @@ def get_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
     return attend
 
 
-def get_quant_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
+def get_quant_decode_partials(impl: str = "auto", *, reference: Callable, **kernel_options) -> Callable:
     """f(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length, layer=None) -> (acc, m, l) for `impl`:
     the partials over a quantized segment (`quant_decode_partials`' arguments and result; `kernel_options` must hold
-    `key_bits` and `value_bits`, and may hold launch parameters, `block_size` and `scale`). "xla" is
-    `vase_jax.quant_attention.quantized_partials` on the same arrays (as `Quantized`). Under a mesh each device runs
-    the kernel on its own rows ("data") and kv heads ("model")."""
+    `key_bits` and `value_bits`, and may hold launch parameters, `block_size` and `scale`). "xla" is `reference`,
+    the pure-JAX partials with the same signature, called with `kernel_options` (the library passes
+    `vase_jax.quant_attention.quantized_partials_of_arrays`: this package imports nothing from it). Under a mesh
+    each device runs the kernel on its own rows ("data") and kv heads ("model")."""
     for name in ("key_bits", "value_bits"):
         if name not in kernel_options:
             raise ValueError(f"get_quant_decode_partials needs {name}= (8 or 4) among its options")
@@ -149,16 +150,6 @@ def get_quant_decode_partials(impl: str = "auto", **kernel_options) -> Callable:
                       **kernel_options)
 
         return call
-
-    def reference(q, kc, ks, kl, vc, vs, vl, pos, length, layer=None, *, key_bits, value_bits, **options):
-        # imported here: vase_jax.quant_attention imports this package
-        from vase_jax.kvquant import Quantized  # noqa: PLC0415
-        from vase_jax.quant_attention import quantized_partials  # noqa: PLC0415
-
-        keep = {"block" if name == "block_size" else name: options[name] for name in ("block_size", "scale")
-                if options.get(name) is not None}
-        return quantized_partials(q, Quantized(kc, ks, kl, key_bits), Quantized(vc, vs, vl, value_bits), pos,
-                                  length, layer=layer, **keep)
 
     chosen = select(
         impl,

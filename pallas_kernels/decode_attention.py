@@ -64,7 +64,7 @@ _MERGE_LOADS = 8  # splits whose partials the merge loads at once (8 x 16 rows x
 # ------------------------------------------------------------------------------------------------------------
 # argument checks (shapes are static, so these raise at trace time with a clear message)
 # ------------------------------------------------------------------------------------------------------------
-def _check_args(q, k, v, pos, length, block_size: int, block_mask, layer=None) -> None:
+def check_decode_args(q, k, v, pos, length, block_size: int, block_mask, layer=None) -> None:
     """Shape and dtype checks; with `layer`, k, v and pos are stacked over layers and one layer is checked."""
     if layer is not None:
         k, v, pos = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v, pos))
@@ -415,7 +415,7 @@ def decode_attention(
     del unused
     if block_mask is not None and block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
-    _check_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
+    check_decode_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
     params = _launch(q, k.shape[-2], device_kind, block_size, num_splits, num_warps, num_stages)
     return _decode_pallas(
         q, k, v, pos, length, block_mask, layer, params=params, scale=_scale(scale, q.shape[3]),
@@ -467,7 +467,7 @@ def decode_attention_partials(
     del unused
     if block_mask is not None and block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
-    _check_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
+    check_decode_args(q, k, v, pos, length, DEFAULT_BLOCK_SIZE if block_size is None else block_size, block_mask, layer)
     params = _launch(q, k.shape[-2], device_kind, block_size, num_splits, num_warps, num_stages)
     return _decode_pallas(
         q, k, v, pos, length, block_mask, layer, params=params, scale=_scale(scale, q.shape[3]),
@@ -569,7 +569,7 @@ def decode_attention_reference(
     """
     del unused
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-    _check_args(q, k, v, pos, length, block_size, block_mask, layer)
+    check_decode_args(q, k, v, pos, length, block_size, block_mask, layer)
     return _decode_reference(
         q, k, v, pos, length, block_mask, layer, block_size=block_size, scale=_scale(scale, q.shape[3])
     )
@@ -589,6 +589,6 @@ def decode_attention_partials_reference(
     """`decode_attention_reference`'s unnormalized partials (acc, running max m, running sum l; float32), for
     attention over a cache held in several segments, merged by log-sum-exp (`vase_jax.quant_attention.merge`).
     Normalizing them (acc / l, 0 where l = 0) is exactly `decode_attention_reference`'s output."""
-    _check_args(q, k, v, pos, length, block_size, None, layer)
+    check_decode_args(q, k, v, pos, length, block_size, None, layer)
     return _reference_partials(q, k, v, pos, length, None, layer, block_size=block_size,
                                scale=_scale(scale, q.shape[3]))

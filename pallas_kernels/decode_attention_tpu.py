@@ -45,8 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode_attention import _check_args as check_decode_args
-from pallas_kernels.decode_attention import row_lengths, stored_as
+from pallas_kernels.decode_attention import check_decode_args, row_lengths, stored_as
 from pallas_kernels.tpu_common import LANES, dot_precision, lanes_to, sublane_multiple
 
 DEFAULT_BLOCK_SIZE_TPU = 1024  # 2 x 256 KiB of bf16 K and V per grid step: amortizes the ~0.35 us cost of a step

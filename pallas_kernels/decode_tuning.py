@@ -28,7 +28,7 @@ Device kind (`current_device_kind()`, read while tracing): the abstract GPU of t
 there is one (a deliberate target: `pallas_kernels.dispatch.lowering_target` installs it on a host without a GPU),
 else the attached GPU's, else `DEFAULT_DEVICE_KIND` (an H200: the project's target). The SM count: the attached
 GPU's `core_count`, else `SM_COUNTS` by kind, else `FALLBACK_SM_COUNT`. Kinds not in the table: Hopper kinds share
-the H200's rows (`_family`), any other kind gets `GENERIC` with its own SM count.
+the H200's rows (`device_family`), any other kind gets `GENERIC` with its own SM count.
 """
 
 from __future__ import annotations
@@ -170,14 +170,14 @@ SM_COUNTS: tuple[tuple[str, int], ...] = (
 _HOPPER = ("NVIDIA H100", "NVIDIA H200", "NVIDIA GH200")  # same SM (sm_90) and shared memory: the H200's rows
 
 
-def _family(kind: str) -> str:
+def device_family(kind: str) -> str:
     """The table's name for `kind`: Hopper kinds share the H200's rows."""
     return DEFAULT_DEVICE_KIND if kind.startswith(_HOPPER) else kind
 
 
 def lookup(device_kind: str, head_dim: int, group: int, dtype) -> DecodeTuning:
     """The table entry for a call: exact group, then any group, then `GENERIC`."""
-    kind, name = _family(device_kind), jnp.dtype(dtype).name
+    kind, name = device_family(device_kind), jnp.dtype(dtype).name
     for key in ((kind, head_dim, group, name), (kind, head_dim, None, name)):
         if key in TABLE:
             return TABLE[key]

@@ -442,7 +442,7 @@ def fit_entries(shape_records: Sequence[dict], kind: str, sms: int | None) -> li
     for rec in shape_records:
         if rec.get("best"):
             s = DecodeShape.of(rec["shape"])
-            keyed.setdefault((decode_tuning._family(kind), s.head_dim, s.group, s.dtype), []).append(rec)
+            keyed.setdefault((decode_tuning.device_family(kind), s.head_dim, s.group, s.dtype), []).append(rec)
     entries = []
     for key, recs in keyed.items():
         base = decode_tuning.lookup(kind, key[1], key[2], key[3])

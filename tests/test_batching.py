@@ -20,7 +20,7 @@ from test_eviction_framework import reference_schedule  # the authors' trigger, 
 import vase_jax as vj
 from vase_jax import batching
 from vase_jax.eviction import framework
-from vase_jax.generate import _generate
+from vase_jax.generate import generate_program
 from vase_jax.random_model import HEAD_SCALE, TINY, random_model
 from vase_jax.target import Target
 
@@ -169,12 +169,12 @@ def test_bad_input_raises_before_compiling(model, samples):
         batching.run(model, reqs, rows=2, config=cfg, queue=0)
     assert batching.compile_counts() == before
     ids = np.ones((3, 4), np.int32)
-    before = _generate.traces
+    before = generate_program.traces
     for caps, what in [(np.array([5, 0, 5]), "caps"), (np.array([5, 5]), "shape"), (np.array([5, 5, 30]), "caps"),
                        (np.array([[5, 5, 5]]), "shape")]:
         with pytest.raises(ValueError, match=what):
             vj.generate(model, ids, ids, key=jax.random.key(0), config=cfg, max_new_tokens=caps)
-    assert _generate.traces == before
+    assert generate_program.traces == before
 
 
 @pytest.mark.parametrize("method", ["full", "vase_attnv"])
@@ -186,12 +186,13 @@ def test_engine_rounds_copy_no_cache(model, method):
     capacity = framework.capacity_for(ev, 64, MAX_NEW)
     graphdef, params = nnx.split(model)
     target = Target.make("cpu")
-    e = batching._init_state(model.cfg, model.dtype, 4, 4, 4, cfg, ev, capacity, target)
+    e = batching.init_state(model.cfg, model.dtype, 4, 4, 4, cfg, ev, capacity, target)
     ids = jnp.ones((4, 64), jnp.int32)
     keys = jax.vmap(jax.random.key)(jnp.arange(4))
-    staged = batching._stage(graphdef, params, ids, ids, keys, jnp.zeros(4, jnp.int32), jnp.full(4, 10, jnp.int32),
-                             jnp.arange(4, dtype=jnp.int32), jnp.int32(4), cfg, ev, 64, target)
-    hlo = batching._engine.lower(graphdef, params, e, staged, jnp.bool_(True), jnp.int32(5), cfg, ev,
+    staged = batching.stage_prompts(graphdef, params, ids, ids, keys, jnp.zeros(4, jnp.int32),
+                                    jnp.full(4, 10, jnp.int32), jnp.arange(4, dtype=jnp.int32), jnp.int32(4), cfg,
+                                    ev, 64, target)
+    hlo = batching.engine_program.lower(graphdef, params, e, staged, jnp.bool_(True), jnp.int32(5), cfg, ev,
                                  target).compile().as_text()
     copies = per_step_copies(hlo, lambda dims: capacity in dims, follow_branches=True)
     assert copies == [], "\n".join(copies)

@@ -18,7 +18,7 @@ from hlo_utils import per_step_copies, per_step_slices
 
 import vase_jax as vj
 from vase_jax.eviction import framework
-from vase_jax.generate import _generate
+from vase_jax.generate import generate_program
 from vase_jax.sampling import SamplingConfig, filtered_distribution
 from vase_jax.target import LAYER_LOOPS, Target
 
@@ -81,7 +81,7 @@ def test_decode_loop_has_no_cache_sized_copy_per_step(model, layer_loop):
     for ev in (vj.EvictionConfig("full"), vj.EvictionConfig("vase_attnv", budget=128, buffer=32)):
         cap = framework.capacity_for(ev, 64, cfg.max_new_tokens)
         caps = jnp.full((2,), cfg.max_new_tokens, jnp.int32)
-        hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), caps, cfg, ev,
+        hlo = generate_program.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(2), caps, cfg, ev,
                               cap, target).compile().as_text()
         copies = per_step_copies(hlo, lambda dims, cap=cap: cap in dims)  # only cache arrays have a capacity axis
         assert copies == [], f"{ev.method}: cache-sized copies in the decode step:\n" + "\n".join(copies)
@@ -131,11 +131,11 @@ def test_generate_inside_a_users_jit(model, prompt_batch):
 @pytest.mark.slow
 def test_compiles_once_per_shape(model, tokenizer):
     cfg = vj.GenerateConfig(max_new_tokens=8, temperature=0.6, top_p=0.9)
-    before = _generate.traces
+    before = generate_program.traces
     for i, texts in enumerate([["a b c", "d"], ["what is one plus one?", "x y"], ["hello", "hello there you"]]):
         batch = vj.encode_prompts(tokenizer, texts)  # different lengths, all within the 64-token bucket
         vj.generate(model, batch.input_ids, batch.attention_mask, key=jax.random.key(i), config=cfg)
-    assert _generate.traces - before == 1
+    assert generate_program.traces - before == 1
 
 
 @pytest.mark.slow
@@ -241,7 +241,7 @@ def test_sampling_follows_the_filtered_distribution():
 def test_invalid_arguments_raise_before_compiling(model, kwargs, name):
     ids = kwargs.pop("ids", np.ones((3, 3), np.int32))
     mask = kwargs.pop("mask", np.ones((3, 3), np.int32))
-    before = _generate.traces
+    before = generate_program.traces
     with pytest.raises(ValueError, match=name):
         vj.generate(model, ids, mask, key=jax.random.key(0), **kwargs)
-    assert _generate.traces == before
+    assert generate_program.traces == before

@@ -18,7 +18,7 @@ from vase_jax.eviction import METHODS, EvictionConfig, EvictionInputs, framework
 from vase_jax.eviction.h2o import ATTENTION_MASS
 from vase_jax.eviction.keydiff import keydiff_score
 from vase_jax.eviction.rkv import RKVOfficialOptions
-from vase_jax.generate import _generate, decode_step, prefill, query_window
+from vase_jax.generate import decode_step, generate_program, prefill, query_window
 
 
 # ---- options ---------------------------------------------------------------------------------------------------
@@ -75,11 +75,11 @@ def test_bad_option_values_raise_before_compiling(kwargs, name):
     ev = EvictionConfig(budget=64, buffer=16, **kwargs)
     with pytest.raises(ValueError, match=re.escape(name)):
         ev.validate()
-    before = _generate.traces
+    before = generate_program.traces
     with pytest.raises(ValueError, match=re.escape(name)):
         vj.generate(random_model(TINY), np.ones((1, 3), np.int32), np.ones((1, 3), np.int32), key=jax.random.key(0),
                     eviction=ev, config=vj.GenerateConfig(max_new_tokens=4))
-    assert _generate.traces == before
+    assert generate_program.traces == before
 
 
 def test_register_rejects_bad_declarations():

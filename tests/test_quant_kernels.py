@@ -27,7 +27,7 @@ from pallas_kernels.decode_attention_tpu import decode_attention_partials_tpu
 from pallas_kernels.quant_decode_attention import quant_decode_partials
 from pallas_kernels.quant_decode_attention_tpu import quant_decode_partials_tpu
 from vase_jax.kvquant import Quantized, dequantize, quantize, slots_first, slots_last
-from vase_jax.quant_attention import merge, quantized_partials
+from vase_jax.quant_attention import merge, quantized_partials, quantized_partials_of_arrays
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -156,7 +156,8 @@ def test_tiers_merged_equal_attention_over_the_dequantized_cache(impl):
     block = 32 if impl != "pallas_tpu" else 128
     options = dict(block_size=block) | (dict(num_splits=2) if impl == "pallas_gpu" else {})
     full_parts = pallas_kernels.get_decode_partials(impl, **options)
-    quant_parts = pallas_kernels.get_quant_decode_partials(impl, key_bits=4, value_bits=4, **options)
+    quant_parts = pallas_kernels.get_quant_decode_partials(impl, reference=quantized_partials_of_arrays, key_bits=4,
+                                                          value_bits=4, **options)
 
     @jax.jit
     def tiered(q, layer):
@@ -196,4 +197,4 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="block_size=64 must be a multiple of 128"):
         quant_decode_partials_tpu(q, *arrays, pos, 10, key_bits=4, value_bits=4, block_size=64)
     with pytest.raises(ValueError, match="get_quant_decode_partials needs key_bits"):
-        pallas_kernels.get_quant_decode_partials("xla")
+        pallas_kernels.get_quant_decode_partials("xla", reference=quantized_partials_of_arrays)

@@ -145,16 +145,16 @@ def test_16_bit_setting_is_the_existing_program(tiny):
 
 
 def test_generate_with_a_quantized_cache_is_deterministic_and_compiles_once(tiny):
-    from vase_jax.generate import _generate
+    from vase_jax.generate import generate_program
 
     ids, mask = _prompts()
     config = GenerateConfig(max_new_tokens=40, temperature=0.6, key_bits=8, value_bits=4, kv_group=16,
                             return_cache=True)
     eviction = EvictionConfig("vase_attnv", budget=48, buffer=B)
-    before = _generate.traces
+    before = generate_program.traces
     a = generate(tiny, ids, mask, key=jax.random.key(3), config=config, eviction=eviction)
     b = generate(tiny, ids, mask, key=jax.random.key(3), config=config, eviction=eviction)
-    assert _generate.traces - before == 1
+    assert generate_program.traces - before == 1
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert int(a.evictions) >= 1
     assert int(a.cache.qlength.max()) > 0
@@ -167,7 +167,7 @@ def test_ticks_and_steps_copy_no_stack_of_the_cache(tiny):
     from flax import nnx
     from hlo_utils import per_step_copies
 
-    from vase_jax.generate import _generate, generate_tiers
+    from vase_jax.generate import generate_program, generate_tiers
     from vase_jax.target import Target
 
     graphdef, state = nnx.split(tiny)
@@ -176,7 +176,7 @@ def test_ticks_and_steps_copy_no_stack_of_the_cache(tiny):
     for eviction in (EvictionConfig("full", buffer=B), EvictionConfig("vase_attnv", budget=48, buffer=B)):
         config = GenerateConfig(max_new_tokens=64, temperature=0.6, key_bits=8, value_bits=4, kv_group=16)
         layout = generate_tiers(TINY, config, eviction, 64)
-        hlo = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(3),
+        hlo = generate_program.lower(graphdef, state, ids, ids, jax.random.key(0), jnp.arange(3),
                               jnp.full((3,), 64, jnp.int32), config, eviction, layout,
                               Target.make("cpu", config.layer_loop)).compile().as_text()
         copies = per_step_copies(hlo, lambda dims: len(dims) >= 4 and dims[:3] == lead, follow_branches=True)

@@ -239,7 +239,7 @@ def model_and_stats(tmp_path_factory):
 def test_in_generate(model_and_stats):
     """Same key, same tokens; a budget above the trace gives full's tokens; one trace for several prompts and
     keys of one shape; evictions happen at the framework's ticks (cache back to N)."""
-    from vase_jax.generate import _generate
+    from vase_jax.generate import generate_program
 
     model, path = model_and_stats
     rng = np.random.default_rng(1)
@@ -247,12 +247,12 @@ def test_in_generate(model_and_stats):
     mask = jnp.ones_like(ids).at[1, :3].set(0)  # row 1 left-padded
     cfg = vj.GenerateConfig(max_new_tokens=72, temperature=0.0)
     ev = vj.EvictionConfig("triattention", budget=32, buffer=8, calibration=path)
-    before = _generate.traces
+    before = generate_program.traces
     one = vj.generate(model, ids, mask, key=jax.random.key(0), config=cfg, eviction=ev)
     two = vj.generate(model, ids, mask, key=jax.random.key(0), config=cfg, eviction=ev)
     other = jnp.asarray(rng.integers(0, 1000, size=(2, 10)), jnp.int32)
     vj.generate(model, other, jnp.ones_like(other), key=jax.random.key(5), config=cfg, eviction=ev)
-    assert _generate.traces - before == 1
+    assert generate_program.traces - before == 1
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(two.tokens))
     assert int(one.evictions) > 0 and (np.asarray(one.cache_length) <= 32 + 8).all()
 
@@ -264,11 +264,11 @@ def test_in_generate(model_and_stats):
 
 
 def test_bad_options_and_missing_calibration_fail_before_compiling(model_and_stats, tmp_path):
-    from vase_jax.generate import _generate
+    from vase_jax.generate import generate_program
 
     model, path = model_and_stats
     ids = jnp.ones((1, 4), jnp.int32)
-    before = _generate.traces
+    before = generate_program.traces
 
     def run(**kw):
         ev = vj.EvictionConfig("triattention", budget=32, buffer=8, **kw)
@@ -296,7 +296,7 @@ def test_bad_options_and_missing_calibration_fail_before_compiling(model_and_sta
              q_mean_imag=np.zeros(1), q_abs_mean=np.zeros(1))
     with pytest.raises(ValueError, match=r"format 'something-else' version 1; this library reads"):
         run(calibration=str(bad))
-    assert _generate.traces == before
+    assert generate_program.traces == before
 
 
 # ---- the evaluation's settings ---------------------------------------------------------------------------------

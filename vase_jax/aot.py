@@ -33,7 +33,7 @@ from vase_jax.cache import cache_bytes, init_cache
 from vase_jax.config import Qwen3Config, param_shapes
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, _generate, generate_target, generate_tiers, query_window
+from vase_jax.generate import GenerateConfig, generate_program, generate_target, generate_tiers, query_window
 from vase_jax.kvquant import KVBits
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
@@ -146,7 +146,7 @@ def compile_generate(name: str, cfg: Qwen3Config, *, batch: int, eviction: Evict
             jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated), arg((batch,), jnp.int32),
             arg((batch,), jnp.int32), config, eviction, capacity, target, None)
     start = time.perf_counter()
-    compiled = _generate.lower(*args).compile()
+    compiled = generate_program.lower(*args).compile()
     seconds = time.perf_counter() - start
     return compiled, report(name, compiled, cfg, batch, eviction, capacity, dtype, target, seconds)
 

@@ -1,8 +1,8 @@
 """Continuous batching: a fixed number of rows; when a row's sample ends, the next pending sample takes the row.
 
 The engine is a device-side loop fed by the host in rounds. Each round the host prefills the next `queue` pending
-samples in one batched call (`_stage`: one program per prompt bucket) and hands them, staged, to the engine
-(`_engine`: one program). The engine decodes every busy row; when rows end, it copies their outputs into a
+samples in one batched call (`stage_prompts`: one program per prompt bucket) and hands them, staged, to the engine
+(`engine_program`: one program). The engine decodes every busy row; when rows end, it copies their outputs into a
 results buffer and writes staged samples into the freed rows, all on the device, and goes on decoding. It returns
 to the host when every row is done, or when a row is free, nothing staged is left and the host has more samples.
 The host then stages the next samples and dispatches the next round, and only then hands the round's results to
@@ -162,8 +162,8 @@ def validate_requests(requests: list[Request], rows: int, config: GenerateConfig
 
 # ---- device programs ---------------------------------------------------------------------------------------------
 @functools.partial(target_jit, static_argnums=(0, 9, 10, 11, 12), target_argnum=12)
-def _stage(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count, config: GenerateConfig,
-           eviction: EvictionConfig, slots: int, target: Target) -> Staged:
+def stage_prompts(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count,
+                  config: GenerateConfig, eviction: EvictionConfig, slots: int, target: Target) -> Staged:
     """Prefill `queue` left-padded prompts [queue, bucket] into a cache of `slots` slots, and sample token 0."""
     model = nnx.merge(graphdef, params)
     sample_key, _ = split_keys(keys, keys.shape[0])
@@ -283,7 +283,7 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
 
 
 @functools.partial(target_jit, static_argnums=(0, 6, 7, 8), target_argnum=8, donate_argnums=(2,))
-def _engine(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
+def engine_program(graphdef, params, e: EngineState, staged: Staged, more, phase, config: GenerateConfig,
             eviction: EvictionConfig, target: Target) -> EngineState:
     """One round: admit staged samples into free rows, decode, collect ended rows and refill them, until every row
     is done, or a row is free with nothing staged while the host has `more` samples."""
@@ -310,7 +310,7 @@ def _engine_round(graphdef, params, e: EngineState, staged: Staged, more, phase,
 
 
 @functools.partial(target_jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7, 8), target_argnum=8)
-def _init_state(cfg, dtype, rows: int, width: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
+def init_state(cfg, dtype, rows: int, width: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
                 capacity: int, target: Target) -> EngineState:
     """Every row free (done, inactive), the results buffer empty. `width` >= `rows`: the batch the engine runs,
     the rows past `rows` unused companions (as `generate` pads a small batch: `vase_jax.invariance`)."""
@@ -334,7 +334,7 @@ def _init_state(cfg, dtype, rows: int, width: int, queue: int, config: GenerateC
 
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far by the engine: {"prefill": one per (bucket, settings), "decode", "init"}."""
-    return {"prefill": _stage.traces, "decode": _engine.traces, "init": _init_state.traces}
+    return {"prefill": stage_prompts.traces, "decode": engine_program.traces, "init": init_state.traces}
 
 
 # ---- the host loop -----------------------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def run(
         capacity = generate_tiers(model.cfg, config, eviction, slots)
         slots = dataclasses.replace(capacity, quant_slots=staged_quant_slots(capacity, slots))
     graphdef, params = nnx.split(model)
-    e = _init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
+    e = init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
                     target)
     pending = collections.deque(enumerate(requests))
     phase = jnp.int32(len(requests[0].prompt))  # the batch's ticks fall where the first sample's trigger does
@@ -390,7 +390,7 @@ def run(
     def next_round(e: EngineState) -> EngineState:  # dispatched, not waited for: the device runs it from here
         staged = _stage_next(graphdef, params, pending, queue, config, eviction, slots, staged_at, target)
         stats.segments += 1
-        return _engine(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, target)
+        return engine_program(graphdef, params, e, staged, jnp.bool_(bool(pending)), phase, config, eviction, target)
 
     e = next_round(e)
     while True:
@@ -435,7 +435,7 @@ def _stage_next(graphdef, params, pending: collections.deque, queue: int, config
         mask[i, t - len(r.prompt):] = 1
     keys = jnp.stack([typed_key(jnp.asarray(r.key)) for r in reqs])
     index = [i for i, _ in batch] + [-1] * (queue - len(batch))
-    return _stage(graphdef, params, jnp.asarray(ids), jnp.asarray(mask), keys,
+    return stage_prompts(graphdef, params, jnp.asarray(ids), jnp.asarray(mask), keys,
                   jnp.asarray([r.row_id for r in reqs], jnp.int32), jnp.asarray([r.max_new_tokens for r in reqs],
                                                                                   jnp.int32),
                   jnp.asarray(index, jnp.int32), jnp.int32(len(batch)), config, eviction, slots, target)

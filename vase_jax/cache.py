@@ -181,7 +181,7 @@ def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, 
     )
 
 
-def _ring_times(real: jax.Array, window: int) -> jax.Array:
+def ring_times(real: jax.Array, window: int) -> jax.Array:
     """Ring slot r holds the newest real token t < real[b] with t % window == r: [batch, window] t (negative when
     the row has fewer than `window` real tokens: no query)."""
     r = jnp.arange(window)
@@ -189,12 +189,12 @@ def _ring_times(real: jax.Array, window: int) -> jax.Array:
     return last - ((last - r) % window)
 
 
-def _padding(token_mask: jax.Array) -> jax.Array:
+def left_padding(token_mask: jax.Array) -> jax.Array:
     """[batch] left-padding columns of each row of `token_mask` [batch, seq]."""
     return token_mask.shape[1] - token_mask.sum(axis=1).astype(jnp.int32)
 
 
-def _unpad(x: jax.Array, pad: jax.Array, axis: int) -> jax.Array:
+def unpad(x: jax.Array, pad: jax.Array, axis: int) -> jax.Array:
     """Shift each row of a left-padded x [batch, ..., seq (at `axis`), ...] left by pad[b]: its real entries
     come first (the tail repeats the last entry; the caller masks it)."""
     seq = x.shape[axis]
@@ -219,10 +219,10 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
 
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
-    pad = _padding(token_mask)  # [batch]
+    pad = left_padding(token_mask)  # [batch]
     new = cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, _as_written(_unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, _as_written(_unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
+        k=jax.lax.dynamic_update_slice(cache.k, _as_written(unpad(k, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, _as_written(unpad(v, pad, 2)[None], cache), (layer, 0, 0, 0, 0)),
     )
     return write_query_ring(new, layer, q, token_mask)
 
@@ -232,9 +232,9 @@ def write_query_ring(cache: KVCache, layer, q: jax.Array, token_mask: jax.Array)
     newest `window` real tokens. q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq]."""
     if not cache.window:
         return cache
-    pad = _padding(token_mask)  # [batch]
+    pad = left_padding(token_mask)  # [batch]
     t = q.shape[3]
-    t_r = _ring_times(t - pad, cache.window)  # [batch, window] real-token times
+    t_r = ring_times(t - pad, cache.window)  # [batch, window] real-token times
     src = jnp.clip(t_r + pad[:, None], 0, t - 1)  # their columns in the padded prompt
     ring = jnp.take_along_axis(q, src[:, None, None, :, None], axis=3)  # [batch, kv_heads, group, window, d]
     ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
@@ -251,7 +251,7 @@ def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
     positions = jnp.where(slot[None] < real[:, None], slot[None], -1)  # [batch, seq]
     pos = jnp.broadcast_to(positions[None, :, None, :], cache.pos.shape[:3] + (t,))  # [layers, batch, kv_heads, seq]
     return cache.replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos, (0, 0, 0, 0)),
-                         query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, length=real, seen=real,
+                         query_valid=ring_times(real, cache.window) >= 0, row_pos=real, length=real, seen=real,
                          prompt_length=real, evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
 
 
@@ -342,20 +342,20 @@ def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     k = cache.layer_keys(layer)
     pos = layer_of(cache.pos, layer)
     w = decode_slot_weights(q, k, pos, cache.length)  # [b, h, capacity]
-    return _apply_state(cache, layer, w, cache.active)
+    return apply_state(cache, layer, w, cache.active)
 
 
 def prefill_state(cache: KVCache, layer, probs: jax.Array, token_mask: jax.Array) -> KVCache:
     """After a prompt's write: state of slots [0, seq) <- spec.update(0, sum over the group and the queries of
     `probs`), the prompt's causal attention [batch, kv_heads, group, seq, seq] (padding rows and columns 0),
     unpadded like the keys (`write_prompt`)."""
-    pad = _padding(token_mask)  # [batch]
-    w = _unpad(probs.sum(axis=(2, 3)), pad, 2)  # [b, h, seq], real slots first
+    pad = left_padding(token_mask)  # [batch]
+    w = unpad(probs.sum(axis=(2, 3)), pad, 2)  # [b, h, seq], real slots first
     real = jnp.arange(w.shape[2])[None] < (w.shape[2] - pad)[:, None]  # [b, seq]
-    return _apply_state(cache, layer, jnp.where(real[:, None], w, 0.0), None)
+    return apply_state(cache, layer, jnp.where(real[:, None], w, 0.0), None)
 
 
-def _apply_state(cache: KVCache, layer, w: jax.Array, rows) -> KVCache:
+def apply_state(cache: KVCache, layer, w: jax.Array, rows) -> KVCache:
     """state[layer] <- update(old, w) on the `rows` [batch] bool, w [b, h, capacity]; rows None: slots [0, n)
     <- update(0, w) with w [b, h, n]."""
     new = {}

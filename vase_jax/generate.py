@@ -264,7 +264,7 @@ def generate(
     `jax.jit`; `vase_jax.target`); `GenerateOutput` says what device memory it holds.
     """
     args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens)
-    out = _generate(*args)
+    out = generate_program(*args)
     b = jnp.shape(input_ids)[0]
     if args[2].shape[0] != b:  # a small batch ran beside copies of its first row (`_prepare`)
         out = out.replace(tokens=out.tokens[:b], num_tokens=out.num_tokens[:b], finished=out.finished[:b],
@@ -297,7 +297,7 @@ def lower_generate(
                              "storage and the layer loop depend on it)")
         platform = Target.make(platforms[0]).platform
     args = _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens, platform)
-    traced = _generate.trace(*args)
+    traced = generate_program.trace(*args)
     return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
 
@@ -317,7 +317,7 @@ def generate_target(model: Qwen3, config: GenerateConfig, platform: str | None =
 
 
 def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, max_new_tokens=None, platform=None):
-    """Validate, pad the prompt to its bucket and split the model: the arguments of `_generate`."""
+    """Validate, pad the prompt to its bucket and split the model: the arguments of `generate_program`."""
     input_ids = jnp.asarray(input_ids)
     attention_mask = jnp.asarray(attention_mask)
     _validate_inputs(model, input_ids, attention_mask, config, eviction)
@@ -502,7 +502,7 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
 
 
 @functools.partial(target_jit, static_argnums=(0, 7, 8, 9, 10, 11), target_argnum=10, mesh_argnum=11)
-def _generate(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
+def generate_program(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
               eviction: EvictionConfig, capacity: int, target: Target,
               mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`);

@@ -2,7 +2,7 @@
 
 A cached key or value x [..., D] (one token of one kv head: D = head_dim channels) is quantized in groups of g
 consecutive channels, asymmetrically, round-to-nearest, at b bits (qmax = 2^b - 1). Per group with minimum m
-and maximum M the parameters are HQQ's (`vase_jax.analysis.quant.minmax_params`):
+and maximum M the parameters are HQQ's (`minmax_params`):
 
     s' = qmax / (M - m)   (1 where M - m <= 1e-4; at most 2e4),    z = -m s'        (not rounded)
     q  = clamp(round(x s' + z), 0, qmax)                                          (the stored code)
@@ -10,7 +10,7 @@ and maximum M the parameters are HQQ's (`vase_jax.analysis.quant.minmax_params`)
 
 so a code is within half a step (scale / 2) of x, and this is exactly `analysis.quant.rtn_quantize` (HQQ with
 the refinement off) up to the rounding of `scale` and `low` to their stored dtype. With `refine=True`, z first
-goes through HQQ's proximal refinement (`analysis.quant.refine_zero`), as `hqq_quantize` does.
+goes through HQQ's proximal refinement (`refine_zero`, the spec's proximal loop), as `hqq_quantize` does.
 
 Storage per token and kv head: the codes packed into bytes (8 bits: one per byte; 4 bits: two per byte, the even
 channel in the low nibble), and one `scale` and one `low` per group in `scale_dtype` (the cache's float dtype).
@@ -27,10 +27,46 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from vase_jax.analysis.quant import minmax_params, refine_zero
-
 BITS = (16, 8, 4)
 DEFAULT_GROUP = {8: 128, 4: 64}  # channels per scale at each width (a whole 128-wide head at 8 bits)
+
+
+def minmax_params(w: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """HQQ's inverse scale s' and zero z per group (row of w [G, g]), each [G, 1]."""
+    qmax = 2.0**bits - 1
+    lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
+    span = hi - lo
+    small = jnp.abs(span) <= 1e-4
+    s = jnp.where(small, 1.0, qmax / jnp.where(small, 1.0, span))
+    s = jnp.minimum(s, 2e4)
+    return s, -lo * s
+
+
+def refine_zero(w: jax.Array, s: jax.Array, z: jax.Array, bits: int, keep: jax.Array, iters: int = 20,
+                lp_norm: float = 0.7, beta: float = 10.0) -> jax.Array:
+    """HQQ's proximal zero-point loop (spec section 5; written out in `vase_jax.analysis.quant`): w [G, g], s and
+    z [G, 1], keep [G, 1] -> the refined z [G, 1]."""
+    qmax = 2.0**bits - 1
+    count = jnp.maximum(keep.sum() * w.shape[1], 1)
+
+    def body(state):
+        i, z, best, _ = state
+        wq = jnp.clip(jnp.round(w * s + z), 0.0, qmax)
+        wr = (wq - z) / s
+        diff = w - wr
+        mag = jnp.abs(diff)
+        we = jnp.sign(diff) * jax.nn.relu(mag - (1.0 / beta) * mag ** (lp_norm - 1.0))
+        z_new = jnp.mean(wq - (w - we) * s, axis=1, keepdims=True)
+        err = jnp.sum(jnp.where(keep, mag, 0.0)) / count
+        improved = err < best
+        return i + 1, z_new, jnp.where(improved, err, best), ~improved
+
+    def cond(state):
+        i, _, _, stopped = state
+        return (i < iters) & ~stopped
+
+    init = (jnp.int32(0), z, jnp.array(jnp.inf, w.dtype), jnp.bool_(False))
+    return jax.lax.while_loop(cond, body, init)[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from vase_jax.cache import init_cache
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, _generate, generate_tiers, query_window
+from vase_jax.generate import GenerateConfig, generate_program, generate_tiers, query_window
 from vase_jax.invariance import UNPADDED, padded_rows, rule_for
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
@@ -107,8 +107,8 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     ids = sharded(jax.ShapeDtypeStruct((batch, t), jnp.int32), spec_for(("batch", "seq"), mesh))
     rows = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))
     caps = sharded(jax.ShapeDtypeStruct((batch,), jnp.int32), spec_for(("batch",), mesh))  # per-row token caps
-    compiled = _generate.lower(graphdef, state, ids, ids, jax.random.key(0), rows, caps, config, eviction, capacity,
-                               target, mesh).compile()
+    compiled = generate_program.lower(graphdef, state, ids, ids, jax.random.key(0), rows, caps, config, eviction,
+                                      capacity, target, mesh).compile()
     m = compiled.memory_analysis()
     return MemoryPlan(weights, cache_bytes, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
                       int(m.output_size_in_bytes), _slots(capacity))
@@ -136,9 +136,9 @@ class EnginePlan:
 
         total = weights + state + STAGED_SETS * staged + max(engine temporaries, stage temporaries)
 
-    `state` is the engine's loop state (`batching._init_state`: the batch's cache of `capacity` slots per row, the
+    `state` is the engine's loop state (`batching.init_state`: the batch's cache of `capacity` slots per row, the
     token buffers [rows, max_new_tokens], the results buffer [rows + queue, max_new_tokens]); `staged` one round's
-    prefilled prompts (`batching._stage`'s output: `queue` rows of `staged_slots` slots). Both are exact (shapes
+    prefilled prompts (`batching.stage_prompts`'s output: `queue` rows of `staged_slots` slots). Both are exact (shapes
     and dtypes). The temporaries are `memory_analysis().temp_size_in_bytes` of the engine program (`_engine`: admit,
     decode, evict, collect) and of the prefill program (`_stage`), compiled by the target's compiler; the two
     never run at once. Two staged rounds are counted: the host prefills the next round while the last one's
@@ -272,7 +272,7 @@ class _EnginePrograms:
         return batching.queue_for(rows, queue, self.rule)
 
     def state(self, rows: int, queue: int):
-        return self.place(jax.eval_shape(lambda: batching._init_state(
+        return self.place(jax.eval_shape(lambda: batching.init_state(
             self.cfg, self.dtype, rows, padded_rows(rows, self.rule), queue, self.config, self.eviction,
             self.capacity, self.target)))
 
@@ -291,12 +291,12 @@ class _EnginePrograms:
             return self._stage[queue]
         args = self.stage_args(queue)
         static = (self.config, self.eviction, self.stage_slots, self.target)
-        staged = self.place(jax.eval_shape(lambda *a: batching._stage(self.graphdef, *a, *static), self.params,
+        staged = self.place(jax.eval_shape(lambda *a: batching.stage_prompts(self.graphdef, *a, *static), self.params,
                                            *args))
         temps = None
         if compile_program:
             start = time.perf_counter()
-            compiled = batching._stage.lower(self.graphdef, self.params, *args, *static).compile()
+            compiled = batching.stage_prompts.lower(self.graphdef, self.params, *args, *static).compile()
             self.compile_s += time.perf_counter() - start
             temps = int(compiled.memory_analysis().temp_size_in_bytes)
         self._stage[queue] = (staged, _nbytes(staged), temps)
@@ -306,7 +306,7 @@ class _EnginePrograms:
         if (rows, queue) not in self._engine:
             scalar = self.place((jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32)))
             start = time.perf_counter()
-            compiled = batching._engine.lower(self.graphdef, self.params, state, staged, *scalar, self.config,
+            compiled = batching.engine_program.lower(self.graphdef, self.params, state, staged, *scalar, self.config,
                                               self.eviction, self.target).compile()
             self.compile_s += time.perf_counter() - start
             self._engine[rows, queue] = int(compiled.memory_analysis().temp_size_in_bytes)

@@ -217,6 +217,16 @@ def quantized_partials(q: jax.Array, k: Quantized, v: Quantized, pos: jax.Array,
     return segments_partials(q, [Segment(k, v, pos, length)], block=block, scale=scale, layer=layer)
 
 
+def quantized_partials_of_arrays(q, k_codes, k_scale, k_low, v_codes, v_scale, v_low, pos, length, layer=None, *,
+                                key_bits: int, value_bits: int, block_size: int | None = None,
+                                scale: float | None = None, **launch):
+    """`quantized_partials` with the kernels' signature (codes, scale and low as separate arrays): the XLA path
+    of `pallas_kernels.get_quant_decode_partials`. The kernels' other launch parameters (`launch`) do not apply."""
+    block = {} if block_size is None else {"block": block_size}
+    return quantized_partials(q, Quantized(k_codes, k_scale, k_low, key_bits), Quantized(v_codes, v_scale, v_low,
+                              value_bits), pos, length, layer=layer, scale=scale, **block)
+
+
 def merge(parts, dtype) -> jax.Array:
     """Attention output from the partials (acc, m, l) of disjoint segments, by log-sum-exp (module docstring)."""
     m_max = functools.reduce(jnp.maximum, [m for _, m, _ in parts])  # [b, h, group]

@@ -50,17 +50,17 @@ from pallas_kernels import get_decode_partials, get_layout_pin, get_quant_decode
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     KVCache,
-    _apply_state,
-    _padding,
-    _ring_times,
-    _unpad,
+    apply_state,
     as_bits,
     decode_slot_weights,
     from_bits,
     init_cache,
     layer_of,
+    left_padding,
     ordered_queries,
+    ring_times,
     stored,
+    unpad,
     write_query_ring,
 )
 from vase_jax.cache import write_token as write_16
@@ -69,7 +69,7 @@ from vase_jax.eviction import framework, scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs
 from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, slots_first, slots_last, split_kept
-from vase_jax.quant_attention import merge, tiered_attention
+from vase_jax.quant_attention import merge, quantized_partials_of_arrays, tiered_attention
 from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
 
@@ -381,7 +381,7 @@ def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
     real = token_mask.sum(axis=1).astype(jnp.int32)  # [batch]
     recent = real % t.buffer
     quantized = jnp.maximum(real - recent - t.protected, 0)
-    return cache.replace(query_valid=_ring_times(real, cache.window) >= 0, row_pos=real, seen=real,
+    return cache.replace(query_valid=ring_times(real, cache.window) >= 0, row_pos=real, seen=real,
                          prompt_length=real, length=t.protected + recent, qlength=jnp.minimum(quantized, t.quant_slots),
                          evictions=jnp.zeros_like(real), active=jnp.ones(real.shape, bool))
 
@@ -396,11 +396,11 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
     t = cache.tiers
-    pad = _padding(token_mask)  # [batch]
+    pad = left_padding(token_mask)  # [batch]
     seq = k.shape[2]
     real = seq - pad  # [batch]
     recent = real % t.buffer
-    k_u, v_u = _unpad(k, pad, 2), _unpad(v, pad, 2)  # [b, h, seq, D], real tokens first
+    k_u, v_u = unpad(k, pad, 2), unpad(v, pad, 2)  # [b, h, seq, D], real tokens first
     slot = jnp.arange(seq)
     live = slot[None] < real[:, None]  # [b, seq]
     pos = jnp.broadcast_to(jnp.where(live, slot[None], -1)[:, None], k_u.shape[:3])  # [b, h, seq]
@@ -412,7 +412,7 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
     srcq = _rest_in_order(candidate, chosen, t.quant_slots)  # [b, h, Q]
     state = {}
     for spec in cache.state_specs:
-        w = jnp.zeros(pos.shape, jnp.float32) if slot_weights is None else _unpad(slot_weights, pad, 2)
+        w = jnp.zeros(pos.shape, jnp.float32) if slot_weights is None else unpad(slot_weights, pad, 2)
         state[spec.name] = jnp.where(pos >= 0, spec.update(jnp.zeros(w.shape, jnp.float32), w), 0.0)
     src = Sources(k_u, v_u, pos, rng, state, None)
     new = _write_layer(cache, layer, src, src16, srcq, srcq >= 0, None)
@@ -466,8 +466,9 @@ def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -
         impl = attention_impl if _kernels_take(t.kv_bits) else "xla"
         kq, vq = cache.kq, cache.vq
         return merge([get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer),
-                      get_quant_decode_partials(impl, **bits)(q, kq.codes, kq.scale, kq.low, vq.codes, vq.scale,
-                                                              vq.low, cache.qpos, qlengths, layer)], q.dtype)
+                      get_quant_decode_partials(impl, reference=quantized_partials_of_arrays, **bits)(
+                          q, kq.codes, kq.scale, kq.low, vq.codes, vq.scale, vq.low, cache.qpos, qlengths, layer)],
+                     q.dtype)
 
     # the branches read the arrays they close over (a static `layer` stays static)
     return select(attention_impl, xla=one_loop, triton=lambda _: kernels, tpu=lambda _: kernels)()
@@ -494,7 +495,7 @@ def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     slot = jnp.arange(pos.shape[-1])
     live = jnp.where(slot < f, slot < cache.length[:, None, None], slot - f < cache.qlength[:, None, None])
     w = decode_slot_weights(q, keys, jnp.where(live, pos, -1), jnp.full_like(cache.length, pos.shape[-1]))
-    return _apply_state(cache, layer, w, cache.active)
+    return apply_state(cache, layer, w, cache.active)
 
 
 # ---- ticks -------------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from vase_jax.kvquant import minmax_params, refine_zero  # the runtime cache's quantizer: one copy
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
@@ -88,43 +90,6 @@ def _groups(x: jax.Array, group_size: int, valid: jax.Array | None):
     else:
         keep = jnp.repeat(valid.reshape(-1), d // group_size)[:, None]
     return w, keep
-
-
-def minmax_params(w: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-    """HQQ's inverse scale s' and zero z per group (row of w [G, g]), each [G, 1]."""
-    qmax = 2.0**bits - 1
-    lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
-    span = hi - lo
-    small = jnp.abs(span) <= 1e-4
-    s = jnp.where(small, 1.0, qmax / jnp.where(small, 1.0, span))
-    s = jnp.minimum(s, 2e4)
-    return s, -lo * s
-
-
-def refine_zero(w: jax.Array, s: jax.Array, z: jax.Array, bits: int, keep: jax.Array, iters: int = 20,
-                lp_norm: float = 0.7, beta: float = 10.0) -> jax.Array:
-    """The spec's proximal zero-point loop (module docstring); w [G, g], s and z [G, 1], keep [G, 1] -> z."""
-    qmax = 2.0**bits - 1
-    count = jnp.maximum(keep.sum() * w.shape[1], 1)
-
-    def body(state):
-        i, z, best, _ = state
-        wq = jnp.clip(jnp.round(w * s + z), 0.0, qmax)
-        wr = (wq - z) / s
-        diff = w - wr
-        mag = jnp.abs(diff)
-        we = jnp.sign(diff) * jax.nn.relu(mag - (1.0 / beta) * mag ** (lp_norm - 1.0))
-        z_new = jnp.mean(wq - (w - we) * s, axis=1, keepdims=True)
-        err = jnp.sum(jnp.where(keep, mag, 0.0)) / count
-        improved = err < best
-        return i + 1, z_new, jnp.where(improved, err, best), ~improved
-
-    def cond(state):
-        i, _, _, stopped = state
-        return (i < iters) & ~stopped
-
-    init = (jnp.int32(0), z, jnp.array(jnp.inf, w.dtype), jnp.bool_(False))
-    return jax.lax.while_loop(cond, body, init)[1]
 
 
 def _dequant(w, s, z, bits):
