@@ -243,14 +243,17 @@ def resolve(
     if any(kv != BF16 for kv in kv_bits):
         # a method whose kept set is shared over layers (triattention) does not run on the mixed-precision cache:
         # left out of the default, refused when named
-        tiered = [m for m in methods if m == "full" or METHODS[m].mixed_precision]
+        def tiered(m: str) -> bool:
+            return m == "full" or METHODS[m].mixed_precision
+
         if kv_methods is None:
-            kv_methods = None if len(tiered) == len(methods) else tuple(tiered)
-        for m in kv_methods or ():
-            if m != "full" and not METHODS[m].mixed_precision:
-                able = [n for n in ("full", *sorted(METHODS)) if n == "full" or METHODS[n].mixed_precision]
-                raise ValueError(f"--kv-methods: {m!r} does not run on the mixed-precision cache of --kv-bits "
-                                 f"{','.join(k for k in kv_bits if k != BF16)}; methods that do: {', '.join(able)}")
+            kept = tuple(m for m in methods if tiered(m))
+            kv_methods = None if kept == methods else kept
+        refused = [m for m in kv_methods or () if not tiered(m)]
+        if refused:
+            able = ", ".join(n for n in ("full", *sorted(METHODS)) if tiered(n))
+            raise ValueError(f"--kv-methods: {refused[0]!r} does not run on the mixed-precision cache of --kv-bits "
+                             f"{','.join(k for k in kv_bits if k != BF16)}; methods that do: {able}")
     _positive("seed", seed, allow_none=True, minimum=0)
     samples = samples or t.samples
     if data is not None and not os.path.isfile(data):
