@@ -1,4 +1,4 @@
-"""The mixed-precision cache in `generate` (`vase_jax.tiers`, issue 27): the tiers' invariants traced tick by tick
+"""The mixed-precision cache in `generate` (`vase_jax.tiers`): the tiers' invariants traced tick by tick
 against NumPy, the 16-bit setting as today's program, errors before compiling, and the memory it saves."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import pytest
 
 from vase_jax.cache import cache_bytes, init_cache
 from vase_jax.config import Qwen3Config
+from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, decode_step, generate, lower_generate, prefill
 from vase_jax.kvquant import KVBits
 from vase_jax.random_model import TINY, random_model
-from vase_jax.tiers import init_tiered_cache, retier, rows_due, tier_layout
+from vase_jax.tiers import init_tiered_cache, tier_layout
 
 B = 16  # the buffer (tick period) of these tests
 
@@ -39,7 +40,7 @@ def _trace(model, eviction: EvictionConfig, kv_bits: KVBits, protected, steps: i
     logits, cache = prefill(model, ids, mask, layout, 16 if eviction.evicts else 0, "xla",
                             eviction.policy.state if eviction.evicts else ())
     step = jax.jit(functools.partial(decode_step, attention_impl="xla"))
-    tick = jax.jit(lambda c: retier(c, eviction, jax.random.key(1), jnp.arange(2), "xla"))
+    tick = jax.jit(lambda c: framework.evict(c, eviction, jax.random.key(1), jnp.arange(2), "xla"))
     token = jnp.argmax(logits, -1).astype(jnp.int32)
     snapshots = [jax.tree.map(np.asarray, cache)]
     for _ in range(steps):
@@ -285,11 +286,11 @@ def test_ticks_pinned_for_a_tpu_rewrite_the_tiers_as_without_pins(tiny):
     kv_bits = KVBits(4, 4, 16, 16)  # two groups of scales per token: the layout XLA:TPU copied
     eviction = EvictionConfig("vase_attnv", budget=48, buffer=B)
     _, snaps = _trace(tiny, eviction, kv_bits, None, B)
-    tick = jax.jit(retier, static_argnums=(1, 4))
+    tick = jax.jit(framework.evict, static_argnums=(1, 4))
     for steps, due, evicting in ((5, [False, True], False), (B, [True, False], True)):
         _, cache = decode_step(tiny, jax.tree.map(jnp.asarray, snaps[steps - 1]), jnp.zeros((2,), jnp.int32), "xla")
         row = due.index(True)
-        assert np.asarray(rows_due(cache)).tolist() == due
+        assert np.asarray(cache.rows_due(eviction)).tolist() == due
         ticks = {impl: tick(cache, eviction, jax.random.key(1), jnp.arange(2), impl) for impl in ("xla", "pallas_tpu")}
         for want, got in zip(jax.tree.leaves(ticks["xla"]), jax.tree.leaves(ticks["pallas_tpu"]), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

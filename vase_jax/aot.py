@@ -29,16 +29,16 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vase_jax.cache import cache_bytes, init_cache
+from vase_jax.cache import CacheLayout, cache_bytes
 from vase_jax.config import Qwen3Config, param_shapes
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, generate_program, generate_target, generate_tiers, query_window
+from vase_jax.generate import GenerateConfig, cache_layout, generate_program, generate_target, query_window
 from vase_jax.kvquant import KVBits
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.target import Target
-from vase_jax.tiers import TierLayout, init_tiered_cache
+from vase_jax.tiers import TierLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,7 @@ def compile_generate(name: str, cfg: Qwen3Config, *, batch: int, eviction: Evict
     model = abstract_model(cfg, dtype, replicated)
     target = generate_target(model, config)
     t = config.bucket(prompt_len)
-    capacity = framework.capacity_for(eviction, t, max_new_tokens)
-    if kv.quantizes:
-        capacity = generate_tiers(cfg, config, eviction, t)
+    capacity = cache_layout(cfg, config, eviction, t)
 
     def arg(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
@@ -160,16 +158,16 @@ def abstract_model(cfg: Qwen3Config, dtype, sharding) -> Qwen3:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def report(name: str, compiled, cfg: Qwen3Config, batch: int, eviction: EvictionConfig, capacity: int, dtype,
+def report(name: str, compiled, cfg: Qwen3Config, batch: int, eviction: EvictionConfig,
+           capacity: CacheLayout | TierLayout, dtype,
            target: Target, seconds: float) -> ProgramReport:
     """The `ProgramReport` of a compiled `generate` program."""
     memory = compiled.memory_analysis()
     itemsize = jnp.dtype(dtype).itemsize
     shapes = param_shapes(cfg)
-    make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
-    cache = jax.eval_shape(lambda: make(cfg, batch, capacity, query_window(eviction), dtype,
-                                        framework.slot_state(eviction), target))
-    held = [cache.k, cache.v] + ([] if cache.kq is None else jax.tree.leaves((cache.kq, cache.vq)))
+    cache = jax.eval_shape(lambda: capacity.init(cfg, batch, query_window(eviction), dtype,
+                                                 framework.slot_state(eviction), target))
+    held = cache.kv_stacks
     text = compiled.as_text()
     layer_dims = {s for p, s in shapes.items() if p[0] == "layers" and len(s) > 1}
     return ProgramReport(

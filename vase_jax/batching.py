@@ -13,7 +13,7 @@ Shapes never change, so nothing recompiles after the first round of each bucket 
 A sample carries its own key, row id and cap, and its tokens depend only on them, its prompt and the settings:
 they are bit-identical whichever row, batch, round or time it runs in, and to `generate` of the same sample.
 With eviction, a new row starts decoding at the step that puts its trigger phase on the batch's ticks
-(`framework.phase_wait`, at most B - 1 idle steps), so the batch still runs at most one eviction event per B
+(`EvictionConfig.phase_wait`, at most B - 1 idle steps), so the batch still runs at most one eviction event per B
 steps; `full` has no ticks and starts a row at once. A prompt longer than the budget is kept whole until the
 row's first eviction, as in `generate`; the capacity is max(longest prompt bucket, N) + B.
 
@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx, struct
 
 from pallas_kernels.decode_tuning import fixed_splits
-from vase_jax.cache import CACHE_AXES, STATE_AXES, KVCache, batch_axis, init_cache
+from vase_jax.cache import CacheLayout, KVCache, as_layout
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import (
@@ -44,14 +44,13 @@ from vase_jax.generate import (
     NO_EVICTION,
     GenerateConfig,
     LoopState,
+    cache_layout,
     decode_loop,
     ended,
     ended_by_token,
     first_tokens,
     generate_target,
-    generate_tiers,
     no_events,
-    phase_wait,
     prefill,
     query_window,
     row_rule,
@@ -62,7 +61,7 @@ from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.target import Target
-from vase_jax.tiers import TierLayout, init_tiered_cache, staged_quant_slots
+from vase_jax.tiers import TierLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,71 +162,15 @@ def validate_requests(requests: list[Request], rows: int, config: GenerateConfig
 # ---- device programs ---------------------------------------------------------------------------------------------
 @functools.partial(target_jit, static_argnums=(0, 9, 10, 11, 12), target_argnum=12)
 def stage_prompts(graphdef, params, input_ids, attention_mask, keys, row_ids, caps, sample, count,
-                  config: GenerateConfig, eviction: EvictionConfig, slots: int, target: Target) -> Staged:
-    """Prefill `queue` left-padded prompts [queue, bucket] into a cache of `slots` slots, and sample token 0."""
+                  config: GenerateConfig, eviction: EvictionConfig, slots: CacheLayout | TierLayout,
+                  target: Target) -> Staged:
+    """Prefill `queue` left-padded prompts [queue, bucket] into a cache of layout `slots`, and sample token 0."""
     model = nnx.merge(graphdef, params)
     sample_key, _ = split_keys(keys, keys.shape[0])
     logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
                             framework.slot_state(eviction), target=target)
     first = first_tokens(logits, sample_key, row_ids, config, target=target)
     return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
-
-
-# The arrays of a mixed-precision cache's quantized tier (`vase_jax.tiers`) beyond `CACHE_AXES`: batch axis 1 and
-# slot axis 3 (quantized slots, or the virtual slots of `value_range`; 4 in the group-major scale and low), except
-# `qlength` [batch].
-TIER_FIELDS = ("kq", "vq", "qpos", "value_range")
-
-
-def _one_row(staged: KVCache, j, like: KVCache) -> KVCache:
-    """Row `j` of the staged cache as a batch-1 cache with the slots of `like` (the slots past the staged ones
-    empty, as `init_cache` makes them; a mixed-precision cache's quantized tier likewise)."""
-    capacity = like.capacity
-
-    def pad_to(x, axis: int, size: int, fill):
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, size - x.shape[axis])
-        return jnp.pad(x, pad, constant_values=jnp.asarray(fill, x.dtype))
-
-    def take(x, name: str, axes: tuple[str, ...]):
-        x = jax.lax.dynamic_slice_in_dim(x, j, 1, batch_axis(name))
-        if "slots" not in axes:
-            return x
-        return pad_to(x, axes.index("slots"), capacity, -1 if name == "pos" else 0)
-
-    fields = {name: take(getattr(staged, name), name, axes) for name, axes in CACHE_AXES.items()}
-    if staged.tiers is not None:  # the quantized tier and the virtual slots' arrays, padded at their ends
-        def tier(x, size, fill, slot_axis=3):
-            return pad_to(jax.lax.dynamic_slice_in_dim(x, j, 1, 1), slot_axis, size, fill)
-
-        def quantized(x, y):  # codes [.., slots, bytes]; scale and low group-major [.., groups, slots]
-            return x.replace(codes=tier(x.codes, y.codes.shape[3], 0), scale=tier(x.scale, y.scale.shape[4], 0, 4),
-                             low=tier(x.low, y.low.shape[4], 0, 4))
-
-        virtual = like.value_range.shape[3]
-        fields |= dict(
-            kq=quantized(staged.kq, like.kq), vq=quantized(staged.vq, like.vq),
-            qpos=tier(staged.qpos, like.qpos.shape[3], -1), value_range=tier(staged.value_range, virtual, 0),
-            qlength=jax.lax.dynamic_slice_in_dim(staged.qlength, j, 1), tiers=like.tiers)
-        state = {name: tier(x, virtual, 0) for name, x in staged.state.items()}
-    else:
-        state = {name: take(x, "state", STATE_AXES) for name, x in staged.state.items()}
-    return staged.replace(**fields, state=state)
-
-
-def _put_row(big: KVCache, one: KVCache, row) -> KVCache:
-    """Write the batch-1 cache `one` into row `row` of `big` (every array along its "batch" axis)."""
-    fields = {name: jax.lax.dynamic_update_slice_in_dim(getattr(big, name), getattr(one, name), row,
-                                                        batch_axis(name)) for name in CACHE_AXES}
-    state = {name: jax.lax.dynamic_update_slice_in_dim(x, one.state[name], row, batch_axis("state"))
-             for name, x in big.state.items()}
-    if big.tiers is not None:
-        def put(x, y, axis=1):
-            return jax.lax.dynamic_update_slice_in_dim(x, y, row, axis)
-
-        fields |= {name: jax.tree.map(put, getattr(big, name), getattr(one, name)) for name in TIER_FIELDS}
-        fields["qlength"] = put(big.qlength, one.qlength, 0)
-    return big.replace(**fields, state=state)
 
 
 def _collect(e: EngineState, config: GenerateConfig) -> EngineState:
@@ -258,12 +201,12 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
     def admit_one(i, e: EngineState) -> EngineState:
         row, j = order[i], e.used + i
         s = e.loop
-        one = _one_row(staged.cache, j, s.cache)
+        one = staged.cache.take_row(j, s.cache)
         first = jax.lax.dynamic_slice_in_dim(staged.first, j, 1)
         cap = jax.lax.dynamic_slice_in_dim(staged.cap, j, 1)
         key = jax.lax.dynamic_slice_in_dim(staged.key, j, 1)
         sample_key, evict_key = split_keys(key, 1)
-        wait = phase_wait(one.seen[0] - phase, s.step, eviction, s.cache.tiers)
+        wait = s.cache.phase_wait(one.seen[0] - phase, s.step, eviction)
         tokens_row = jnp.full((1, s.tokens.shape[1]), config.pad_id, jnp.int32).at[0, 0].set(first[0])
 
         def put(x, value):  # x [rows, ...] <- value [1, ...] at `row`
@@ -271,7 +214,7 @@ def _admit(e: EngineState, staged: Staged, phase, config: GenerateConfig, evicti
                                                        row, 0)
 
         s = s.replace(
-            cache=_put_row(s.cache, one.replace(active=jnp.zeros((1,), bool)), row),
+            cache=s.cache.put_row(one.replace(active=jnp.zeros((1,), bool)), row),
             tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, tokens_row, row, 0), last=put(s.last, first),
             done=put(s.done, ended(first, jnp.ones((1,), jnp.int32), cap, config)), num_tokens=put(s.num_tokens, 1),
             cap=put(s.cap, cap), start=put(s.start, s.step + wait), sample_key=put(s.sample_key, sample_key),
@@ -311,13 +254,13 @@ def _engine_round(graphdef, params, e: EngineState, staged: Staged, more, phase,
 
 @functools.partial(target_jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7, 8), target_argnum=8)
 def init_state(cfg, dtype, rows: int, width: int, queue: int, config: GenerateConfig, eviction: EvictionConfig,
-                capacity: int, target: Target) -> EngineState:
+                capacity: int | CacheLayout | TierLayout, target: Target) -> EngineState:
     """Every row free (done, inactive), the results buffer empty. `width` >= `rows`: the batch the engine runs,
-    the rows past `rows` unused companions (as `generate` pads a small batch: `vase_jax.invariance`)."""
+    the rows past `rows` unused companions (as `generate` pads a small batch: `vase_jax.invariance`). `capacity`:
+    the cache's layout (`generate.cache_layout`), or a slot count for a 16-bit cache."""
     sample = jnp.full((width,), FREE, jnp.int32).at[rows:].set(UNUSED)
     rows = width
-    make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
-    cache = make(cfg, rows, capacity, query_window(eviction), dtype, framework.slot_state(eviction), target)
+    cache = as_layout(capacity).init(cfg, rows, query_window(eviction), dtype, framework.slot_state(eviction), target)
     keys = jnp.broadcast_to(jax.random.key(0), (rows,))
     zeros = jnp.zeros((rows,), jnp.int32)
     loop = LoopState(cache=cache.replace(active=jnp.zeros((rows,), bool)),
@@ -375,10 +318,8 @@ def run(
     if not requests:
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
-    capacity = framework.capacity_for(eviction, slots, config.max_new_tokens)
-    if config.kv_bits.quantizes:  # a mixed-precision cache; the staged prompts' quantized tier holds a prompt
-        capacity = generate_tiers(model.cfg, config, eviction, slots)
-        slots = dataclasses.replace(capacity, quant_slots=staged_quant_slots(capacity, slots))
+    capacity = cache_layout(model.cfg, config, eviction, slots)
+    slots = capacity.for_prompts(slots)  # the staged prompts' cache
     graphdef, params = nnx.split(model)
     e = init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
                     target)
@@ -420,7 +361,8 @@ def run(
 
 
 def _stage_next(graphdef, params, pending: collections.deque, queue: int, config: GenerateConfig,
-                eviction: EvictionConfig, slots: int, staged_at: dict[int, float], target: Target) -> Staged:
+                eviction: EvictionConfig, slots: CacheLayout | TierLayout, staged_at: dict[int, float],
+                target: Target) -> Staged:
     """Take up to `queue` pending samples and prefill them as one batch (padded with copies of the first)."""
     batch = [pending.popleft() for _ in range(min(queue, len(pending)))]
     now = time.perf_counter()

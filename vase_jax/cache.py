@@ -34,15 +34,20 @@ store floats.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from vase_jax.attention import decode_attention
 from vase_jax.config import Qwen3Config
 from vase_jax.target import Target
+
+if TYPE_CHECKING:
+    from vase_jax.eviction.config import EvictionConfig
 
 # Logical axis names of every cache array (sharding maps names to mesh axes; `init_cache` reads sizes off them).
 CACHE_AXES = {
@@ -103,17 +108,6 @@ class KVCache:
     active: jax.Array  # [batch] bool: the row takes a token at the next decode step
     state: dict[str, jax.Array] = struct.field(default_factory=dict)  # name -> [layers, batch, kv_heads, capacity] f32
     state_specs: tuple[Any, ...] = struct.field(pytree_node=False, default=())  # the `SlotState`s of `state`
-    # The quantized tier of a mixed-precision cache (`vase_jax.tiers`; None otherwise): `k`, `v`, `pos` then hold
-    # the 16-bit tier's slots and these the quantized tier's; `state` and `value_range` run over both tiers (the
-    # virtual slots: the 16-bit tier's first).
-    # `kvquant.Quantized` as stored (`kvquant.slots_last`): codes [layers, batch, kv_heads, quant_slots, bytes],
-    # scale and low [layers, batch, kv_heads, groups, quant_slots]
-    kq: Any = None
-    vq: Any = None
-    qpos: jax.Array | None = None  # [layers, batch, kv_heads, quant_slots] int32, -1 = empty
-    qlength: jax.Array | None = None  # [batch] int32: quantized slots in use
-    value_range: jax.Array | None = None  # [layers, batch, kv_heads, virtual slots] f32: Range(v) at write
-    tiers: Any = struct.field(pytree_node=False, default=None)  # `tiers.TierLayout`, or None (one 16-bit tier)
     dtype: Any = struct.field(pytree_node=False, default=None)  # float dtype of k, v, queries (None: k's dtype)
     target: Target | None = struct.field(pytree_node=False, default=None)  # what it is stored for (`init_cache`)
 
@@ -147,6 +141,210 @@ class KVCache:
         dtype = self.float_dtype
         return self.replace(k=from_bits(self.k, dtype), v=from_bits(self.v, dtype),
                             queries=from_bits(self.queries, dtype))
+
+    # ---- the cache interface: `tiers.TieredCache` has the same methods, and the model, the decode loop, the
+    # eviction framework and the continuous engine call only these (none of them asks which kind it holds) -------
+    def start_prompt(self, token_mask: jax.Array) -> KVCache:
+        """Before the layers write a left-padded prompt of `token_mask` [batch, seq]: positions and counters."""
+        return start_prompt(self, token_mask)
+
+    def write_prompt(self, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array,
+                     slot_weights: jax.Array | None = None) -> KVCache:
+        """One layer of the prompt (`write_prompt`); `slot_weights` [batch, kv_heads, seq]: the prompt's attention
+        weights per key summed over the group and the queries, for the per-slot state (None: no state)."""
+        new = write_prompt(self, layer, k, v, q, token_mask)
+        return new if slot_weights is None else prefill_state(new, layer, slot_weights, token_mask)
+
+    def start_token(self) -> KVCache:
+        """Before the layers write one token per active row: its position and the counters (`start_token`)."""
+        return start_token(self)
+
+    def attend_token(self, layer, k: jax.Array, v: jax.Array, q: jax.Array,
+                     attention_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+        """Write the token of every active row into `layer` and attend over the row's live slots:
+        k, v [batch, kv_heads, 1, head_dim], q [batch, kv_heads, group, 1, head_dim] -> (out like q, cache)."""
+        cache = write_token(self, layer, k, v, q)
+        # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ),
+        # and nothing of a row that takes no token this step (finished, or waiting for its first tick).
+        lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
+        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, lengths, attention_impl,
+                               layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
+        if cache.state:
+            cache = update_state(cache, layer, q[:, :, :, 0])
+        return out, cache
+
+    @property
+    def slot_count(self) -> int:
+        """The slots a policy's view runs over (`candidates`): the capacity."""
+        return self.capacity
+
+    @property
+    def kv_stacks(self) -> tuple[jax.Array, ...]:
+        """The arrays that hold the cached keys and values (the ones a program must never copy)."""
+        return (self.k, self.v)
+
+    def has_events(self, eviction: EvictionConfig) -> bool:
+        """Whether the decode loop ever runs an event on this cache: with eviction."""
+        return eviction.evicts
+
+    def rows_due(self, eviction: EvictionConfig) -> jax.Array:
+        """[batch] bool: the rows whose event is due after this step: their eviction trigger fires."""
+        return self.active & eviction.fires(self.seen)
+
+    def phase_wait(self, seen, step, eviction: EvictionConfig):
+        """The steps a row waits before its first decode step so that its events fall on the batch's ticks."""
+        return eviction.phase_wait(seen, step)
+
+    def flush(self, rows: jax.Array, attention_impl: str = "auto") -> KVCache:
+        """The event of the due rows that do not evict: none here (every due row evicts)."""
+        return self
+
+    def pinned(self, attention_impl: str = "auto") -> KVCache:
+        """The cache as the eviction's layer loop carries it: as it is."""
+        return self
+
+    def candidates(self, layer, recent: int) -> SlotView:
+        """What a policy sees of one layer: row b's candidates are its slots [0, length[b] - R) (R = `recent`,
+        the newest slots that are kept unscored), padded to the static L = capacity - R."""
+        num_candidates = self.capacity - recent  # static L
+        slot = jnp.arange(num_candidates)
+        keys = self.layer_keys(layer)  # [batch, kv_heads, capacity, head_dim]
+        values = self.layer_values(layer)
+        layer_pos = layer_of(self.pos, layer)  # [batch, kv_heads, capacity]
+        pos = jnp.where(slot < (self.length - recent)[:, None, None], layer_pos[:, :, :num_candidates], -1)
+        return SlotView(keys=keys[:, :, :num_candidates], values=values[:, :, :num_candidates], pos=pos,
+                        buffer_keys=newest_slots(keys, self.length, recent),
+                        buffer_values=newest_slots(values, self.length, recent),
+                        buffer_pos=newest_slots(layer_pos, self.length, recent),
+                        state={name: layer_of(x, layer)[:, :, :num_candidates] for name, x in self.state.items()})
+
+    def keep(self, layer, view: SlotView, kept: jax.Array, rows: jax.Array, eviction: EvictionConfig) -> KVCache:
+        """Layer `layer` after the eviction of the `rows` [batch] bool: the policy's `kept` [batch, kv_heads, K]
+        candidates to slots [0, K), each row's newest R slots to [K, N), slots >= N emptied; other rows as
+        they are. Each array is gathered straight from its stack (the layer index is part of the gather) and
+        written back in place: no copy of the old layer."""
+        budget, recent, capacity = eviction.budget, eviction.recent, self.capacity
+        src = compacted_slots(kept, self.length, capacity, budget, recent)  # [batch, kv_heads, capacity]
+        src = jnp.where(rows[:, None, None], src, jnp.arange(capacity))  # rows not evicted: every slot stays
+        cleared = (jnp.arange(capacity) >= budget) & rows[:, None, None]  # [batch, 1, capacity]
+        b_idx = jnp.arange(src.shape[0])[:, None, None]
+        h_idx = jnp.arange(src.shape[1])[None, :, None]
+
+        def update(x: jax.Array, fill=None) -> jax.Array:
+            new = x[layer, b_idx, h_idx, src]  # [batch, kv_heads, capacity, ...]
+            if fill is not None:
+                new = jnp.where(cleared.reshape(cleared.shape + (1,) * (new.ndim - 3)), fill, new)
+            return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
+
+        state = {name: update(x, 0.0) for name, x in self.state.items()}
+        return self.replace(k=update(self.k), v=update(self.v), pos=update(self.pos, -1), state=state)
+
+    def evicted(self, rows: jax.Array, eviction: EvictionConfig) -> KVCache:
+        """The counters after the eviction of the `rows` [batch] bool: N slots, N seen, one more event."""
+        budget = eviction.budget
+        return self.replace(length=jnp.where(rows, budget, self.length), seen=jnp.where(rows, budget, self.seen),
+                            evictions=self.evictions + rows.astype(jnp.int32))
+
+    def take_row(self, j, like: KVCache) -> KVCache:
+        """Row `j` (traced) as a batch-1 cache with the slots of `like` (the continuous engine's staged prompt
+        moving into its batch: the slots past this cache's empty, as `init_cache` makes them)."""
+        state = {name: take_row(x, j, STATE_AXES, like.capacity, 0) for name, x in self.state.items()}
+        return self.replace(**row_fields(self, j, like.capacity), state=state)
+
+    def put_row(self, one: KVCache, row) -> KVCache:
+        """The batch-1 cache `one` written into row `row` (every array along its "batch" axis)."""
+        return self.replace(**{name: put_row(getattr(self, name), getattr(one, name), row, batch_axis(name))
+                               for name in CACHE_AXES},
+                            state={name: put_row(x, one.state[name], row, batch_axis("state"))
+                                   for name, x in self.state.items()})
+
+
+def take_row(x: jax.Array, j, axes: tuple[str, ...], slots: int, fill) -> jax.Array:
+    """Row j of an array whose axes are named `axes`, its "slots" axis (if any) padded to `slots` with `fill`."""
+    x = jax.lax.dynamic_slice_in_dim(x, j, 1, axes.index("batch"))
+    return pad_axis(x, axes.index("slots"), slots, fill) if "slots" in axes else x
+
+
+def put_row(x: jax.Array, y: jax.Array, row, axis: int) -> jax.Array:
+    """x with its entry `row` of `axis` replaced by y (of size 1 there)."""
+    return jax.lax.dynamic_update_slice_in_dim(x, y, row, axis)
+
+
+def row_fields(cache: KVCache, j, slots: int) -> dict[str, jax.Array]:
+    """Row j of every `CACHE_AXES` array of `cache`, its slots padded to `slots` (`pos` with -1, else 0)."""
+    return {name: take_row(getattr(cache, name), j, axes, slots, -1 if name == "pos" else 0)
+            for name, axes in CACHE_AXES.items()}
+
+
+@struct.dataclass
+class SlotView:
+    """One layer of a cache as an eviction policy sees it (`KVCache.candidates`): the candidates' keys and
+    values [batch, kv_heads, L, head_dim] and positions [batch, kv_heads, L] (-1: not a candidate), the newest
+    R slots kept unscored (`buffer_*`, [batch, kv_heads, R, ...], oldest first), the per-slot state name ->
+    [batch, kv_heads, L] and, where the cache records it at write, Range(v) [batch, kv_heads, L] (None: computed
+    from `values`)."""
+
+    keys: jax.Array
+    values: jax.Array
+    pos: jax.Array
+    buffer_keys: jax.Array
+    buffer_values: jax.Array
+    buffer_pos: jax.Array
+    state: dict[str, jax.Array]
+    value_range: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The static size of a 16-bit cache: `slots` per (layer, row, kv head). `tiers.TierLayout` is the
+    mixed-precision cache's; both make their cache with `init`."""
+
+    slots: int
+
+    def for_prompts(self, prompt_slots: int) -> CacheLayout:
+        """The layout of a cache that only holds prompts of `prompt_slots` (the continuous engine's staging)."""
+        return CacheLayout(prompt_slots)
+
+    def init(self, cfg: Qwen3Config, batch: int, window: int, dtype, state: tuple = (),
+             target: Target | None = None) -> KVCache:
+        """An empty cache of this layout (`init_cache`)."""
+        return init_cache(cfg, batch, self.slots, window, dtype, state, target)
+
+
+def as_layout(capacity: int | CacheLayout | Any) -> Any:
+    """A cache layout: `capacity` itself, or `CacheLayout(capacity)` for a slot count."""
+    return CacheLayout(capacity) if isinstance(capacity, int) else capacity
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, fill) -> jax.Array:
+    """x padded at the end of `axis` to `size` entries of `fill`."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=jnp.asarray(fill, x.dtype))
+
+
+def gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x: [batch, kv_heads, L, ...]; idx: [batch, kv_heads, K] -> [batch, kv_heads, K, ...]."""
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
+    return jnp.take_along_axis(x, idx, axis=2)
+
+
+def newest_slots(x: jax.Array, length: jax.Array, count: int) -> jax.Array:
+    """Each row's slots [length[b] - count, length[b]): x [batch, kv_heads, capacity, ...] ->
+    [batch, kv_heads, count, ...]."""
+    idx = jnp.clip(length[:, None] - count + jnp.arange(count), 0, x.shape[2] - 1)  # [batch, count]
+    return gather_slots(x, jnp.broadcast_to(idx[:, None], x.shape[:2] + (count,)))
+
+
+def compacted_slots(kept: jax.Array, length: jax.Array, capacity: int, budget: int, recent: int) -> jax.Array:
+    """[batch, kv_heads, capacity] source slot of every slot after an eviction: the kept candidates to [0, K),
+    each row's newest `recent` slots to [K, N) (K = N - recent), slots >= N unchanged (stale)."""
+    k = budget - recent
+    slot = jnp.arange(capacity)
+    newest = length[:, None, None] - budget + slot  # slot j in [K, N) <- length - R + (j - K)
+    kept_full = jnp.pad(kept, ((0, 0), (0, 0), (0, capacity - k)))  # [batch, kv_heads, capacity]
+    src = jnp.where(slot < k, kept_full, jnp.where(slot < budget, newest, slot))
+    return jnp.clip(src, 0, capacity - 1)
 
 
 def cache_shapes(cfg: Qwen3Config, batch: int, capacity: int, window: int) -> dict[str, tuple[int, ...]]:
@@ -345,12 +543,12 @@ def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     return apply_state(cache, layer, w, cache.active)
 
 
-def prefill_state(cache: KVCache, layer, probs: jax.Array, token_mask: jax.Array) -> KVCache:
-    """After a prompt's write: state of slots [0, seq) <- spec.update(0, sum over the group and the queries of
-    `probs`), the prompt's causal attention [batch, kv_heads, group, seq, seq] (padding rows and columns 0),
-    unpadded like the keys (`write_prompt`)."""
+def prefill_state(cache: KVCache, layer, slot_weights: jax.Array, token_mask: jax.Array) -> KVCache:
+    """After a prompt's write: state of slots [0, seq) <- spec.update(0, w), w = `slot_weights` [batch, kv_heads,
+    seq], the prompt's causal attention weights of each key summed over the query group and the queries
+    (padding columns 0), unpadded like the keys (`write_prompt`)."""
     pad = left_padding(token_mask)  # [batch]
-    w = unpad(probs.sum(axis=(2, 3)), pad, 2)  # [b, h, seq], real slots first
+    w = unpad(slot_weights, pad, 2)  # [b, h, seq], real slots first
     real = jnp.arange(w.shape[2])[None] < (w.shape[2] - pad)[:, None]  # [b, seq]
     return apply_state(cache, layer, jnp.where(real[:, None], w, 0.0), None)
 

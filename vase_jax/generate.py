@@ -8,7 +8,7 @@ has emitted an end token or reached its cap.
 
 Every row is its own sequence: its tokens depend only on its prompt, its key, its row id and the settings, never on
 the other rows or on when it started. Rows of an evicting batch start decoding at a step that puts their trigger
-phase on the batch's ticks (`framework.phase_wait`, a wait of at most B - 1 steps), so that a batch runs at most
+phase on the batch's ticks (`EvictionConfig.phase_wait`, a wait of at most B - 1 steps), so that a batch runs at most
 one eviction event per B steps; `full` has no ticks and starts every row at once.
 
 Randomness: `key` (one, or one per row) is split into a sampling key and an eviction key. A row's n-th token
@@ -29,7 +29,7 @@ from flax import nnx, struct
 
 from pallas_kernels.decode_tuning import fixed_splits
 from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
-from vase_jax.cache import KVCache, first_rows, init_cache
+from vase_jax.cache import CacheLayout, KVCache, as_layout, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
@@ -41,7 +41,7 @@ from vase_jax.sampling import SamplingConfig, fold_rows, sample, typed_key
 from vase_jax.sharding import check_mesh, constrain, constrain_cache, model_mesh, put, spec_for
 from vase_jax.target import LAYER_LOOPS as TARGET_LOOPS
 from vase_jax.target import PLATFORMS, Target, devices_platform
-from vase_jax.tiers import TierLayout, init_tiered_cache, retier, rows_due, tier_layout
+from vase_jax.tiers import TierLayout, tier_layout
 
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -345,9 +345,7 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
     if t > t_in:  # left-pad to the bucket so that prompts of nearby lengths share one compiled program
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=prompt_pad_id(config, model.cfg))
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
-    capacity = framework.capacity_for(eviction, t, config.max_new_tokens)
-    if config.kv_bits.quantizes:  # a mixed-precision cache: its layout (validated) instead of one capacity
-        capacity = generate_tiers(model.cfg, config, eviction, t)
+    layout = cache_layout(model.cfg, config, eviction, t)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
@@ -361,7 +359,7 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         input_ids, attention_mask = put(input_ids, rows), put(attention_mask, rows)
         row_ids = put(row_ids, jax.sharding.NamedSharding(mesh, spec_for(("batch",), mesh)))
     graphdef, state = nnx.split(model)
-    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, capacity, target,
+    return (graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction, layout, target,
             mesh)
 
 
@@ -388,6 +386,16 @@ def prompt_pad_id(config: GenerateConfig, cfg) -> int:
     return config.pad_id if 0 <= config.pad_id < cfg.vocab_size else 0
 
 
+def cache_layout(cfg, config: GenerateConfig, eviction: EvictionConfig,
+                 prompt_slots: int) -> CacheLayout | TierLayout:
+    """The layout of a `generate` call's cache for prompts of `prompt_slots` (a bucket): a 16-bit cache of
+    `framework.capacity_for` slots, or with `config.kv_bits` below 16 a mixed-precision cache's tiers
+    (validated; ValueError naming the parameter)."""
+    if config.kv_bits.quantizes:
+        return generate_tiers(cfg, config, eviction, prompt_slots)
+    return CacheLayout(framework.capacity_for(eviction, prompt_slots, config.max_new_tokens))
+
+
 def generate_tiers(cfg, config: GenerateConfig, eviction: EvictionConfig, prompt_slots: int) -> TierLayout:
     """The mixed-precision cache's layout for prompts of `prompt_slots` (a bucket) and these settings; ValueError
     naming the parameter."""
@@ -397,14 +405,6 @@ def generate_tiers(cfg, config: GenerateConfig, eviction: EvictionConfig, prompt
     except ValueError as e:
         raise ValueError(f"GenerateConfig: {e}") from None
     return tier_layout(kv_bits, config.kv_protected, eviction, prompt_slots, config.max_new_tokens)
-
-
-def phase_wait(seen, step, eviction: EvictionConfig, tiers: TierLayout | None = None):
-    """`framework.phase_wait`, and for a mixed-precision cache (which ticks every B steps with or without
-    eviction) the wait that puts its ticks on the batch's: (seen - step) mod B."""
-    if tiers is not None:
-        return (seen - step) % tiers.buffer
-    return framework.phase_wait(seen, step, eviction)
 
 
 def split_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -468,17 +468,8 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
         return s.replace(cache=cache, tokens=tokens, last=jnp.where(active, token, s.last), done=done,
                          num_tokens=num_tokens, step=s.step + 1)
 
-    tiered = s.cache.tiers is not None
-    if not eviction.evicts and not tiered:
+    if not s.cache.has_events(eviction):
         return jax.lax.while_loop(running, step, s)
-
-    def due_rows(cache: KVCache) -> jax.Array:  # [batch] rows whose tick (eviction or re-tiering) is due
-        return rows_due(cache) if tiered else framework.rows_to_evict(cache, eviction)
-
-    def event(cache: KVCache) -> KVCache:
-        if tiered:
-            return retier(cache, eviction, s.evict_key, s.row_ids, impl)
-        return framework.evict_per_device(cache, eviction, s.evict_key, s.row_ids, impl)
 
     # Decode steps run in an inner loop that exits when an eviction is due; the outer loop evicts. The per-step
     # body thus holds no conditional, which would make XLA copy the cache at every step.
@@ -487,13 +478,13 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
         # eviction), traced once: `first` is true only on entry.
         def more(c):
             s, first = c
-            return running(s) & (first | ~due_rows(s.cache).any())
+            return running(s) & (first | ~s.cache.rows_due(eviction).any())
 
         s, _ = jax.lax.while_loop(more, lambda c: (step(c[0]), jnp.bool_(False)), (s, jnp.bool_(True)))
         evicted = framework.should_evict(s.cache, eviction) if eviction.evicts else jnp.bool_(False)
         # No conditional around the event (XLA:GPU would copy the cache into and out of its branches): with no
         # row due, `evict` runs zero layers. Per device under a mesh.
-        cache = constrain_cache(event(s.cache), mesh)
+        cache = constrain_cache(framework.evict_per_device(s.cache, eviction, s.evict_key, s.row_ids, impl), mesh)
         gap = jnp.where(evicted, jnp.minimum(s.min_event_gap, s.step - s.last_event), s.min_event_gap)
         return s.replace(cache=cache, events=s.events + evicted.astype(jnp.int32), min_event_gap=gap,
                          last_event=jnp.where(evicted, s.step, s.last_event))
@@ -503,30 +494,30 @@ def decode_loop(model: Qwen3, s: LoopState, config: GenerateConfig, eviction: Ev
 
 @functools.partial(target_jit, static_argnums=(0, 7, 8, 9, 10, 11), target_argnum=10, mesh_argnum=11)
 def generate_program(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-              eviction: EvictionConfig, capacity: int, target: Target,
+              eviction: EvictionConfig, layout: CacheLayout | TierLayout, target: Target,
               mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     # Under a mesh, kernels see it while tracing (`pallas_kernels.dispatch.per_device` runs them in `shard_map`);
     # batch invariance fixes the decode kernel's split count whatever the batch (`decode_tuning.fixed_splits`).
     with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext(),
           fixed_splits(config.batch_invariant)):
         return _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config, eviction,
-                              capacity, target, mesh)
+                              layout, target, mesh)
 
 
 def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, caps, config: GenerateConfig,
-                   eviction: EvictionConfig, capacity: int, target: Target, mesh) -> GenerateOutput:
+                   eviction: EvictionConfig, layout: CacheLayout | TierLayout, target: Target, mesh) -> GenerateOutput:
     model = nnx.merge(graphdef, state)
     b = input_ids.shape[0]
     sample_key, evict_key = split_keys(key, b)
 
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction),
+        logits, cache = prefill(model, input_ids, attention_mask, layout, query_window(eviction),
                                 config.attention_impl, framework.slot_state(eviction), mesh, target)
         first = first_tokens(logits, sample_key, row_ids, config, mesh, target)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]
-    start = phase_wait(cache.seen - phase, jnp.int32(0), eviction, cache.tiers)
+    start = cache.phase_wait(cache.seen - phase, jnp.int32(0), eviction)
     ones = jnp.ones((b,), jnp.int32)
     tokens = constrain(jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(first),
                        ("batch", "step"), mesh)
@@ -557,21 +548,18 @@ def query_window(eviction: EvictionConfig) -> int:
     return eviction.buffer if eviction.evicts and METHODS[eviction.method].needs_queries else 0
 
 
-def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, capacity: int, window: int,
-            attention_impl: str = "auto", state: tuple = (), mesh: jax.sharding.Mesh | None = None,
-            target: Target | None = None):
+def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array,
+            capacity: int | CacheLayout | TierLayout, window: int, attention_impl: str = "auto", state: tuple = (),
+            mesh: jax.sharding.Mesh | None = None, target: Target | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
-    `capacity` slots; `window` > 0 keeps a ring of that many post-RoPE queries (see `query_window`); `state`: the
-    policy's per-slot state arrays (`framework.slot_state`); `mesh`: create the cache sharded over it
-    (`vase_jax.sharding.cache_specs`); `target`: the program's platform and layer loop (default: as
-    `Qwen3.forward` picks it), which also decides the cache's storage.
+    `capacity`: a slot count, or a cache layout (`cache_layout`); `window` > 0 keeps a ring of that many post-RoPE
+    queries (see `query_window`); `state`: the policy's per-slot state arrays (`framework.slot_state`); `mesh`:
+    create the cache sharded over it (`vase_jax.sharding.cache_specs`); `target`: the program's platform and layer
+    loop (default: as `Qwen3.forward` picks it), which also decides the cache's storage.
     """
     target = Target.of(model.embedding[...]) if target is None else target
-    if isinstance(capacity, TierLayout):  # a mixed-precision cache
-        cache = init_tiered_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
-    else:
-        cache = init_cache(model.cfg, input_ids.shape[0], capacity, window, model.dtype, state, target)
+    cache = as_layout(capacity).init(model.cfg, input_ids.shape[0], window, model.dtype, state, target)
     logits, cache = model.forward(input_ids, prompt_positions(attention_mask), constrain_cache(cache, mesh),
                                   attention_mask=attention_mask, attention_impl=attention_impl, target=target,
                                   last_logits_only=True)

@@ -31,19 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.dispatch import pairwise_sum
-from vase_jax import tiers, weights
-from vase_jax.attention import decode_attention
-from vase_jax.cache import (
-    KVCache,
-    as_bits,
-    from_bits,
-    prefill_state,
-    start_prompt,
-    start_token,
-    update_state,
-    write_prompt,
-    write_token,
-)
+from vase_jax import weights
+from vase_jax.cache import KVCache, as_bits, from_bits
 from vase_jax.config import LAYER_PARAMS, MATRIX_PARAMS, NORM_PARAMS, PARAM_AXES, Qwen3Config
 from vase_jax.target import Target
 
@@ -193,58 +182,29 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
               cache: KVCache | None, layer, attention_impl: str, target: Target | None = None):
     """Self-attention of one layer: x [batch, seq, embed] -> (x + attention output, cache).
 
-    Without a cache, or with a multi-token input (which fills slots [0, seq) of an empty cache), the queries attend
-    densely to the input's own keys under `mask` [batch, seq, seq]. A one-token input is written at slot
-    `cache.length[b] - 1` of each active row (`start_token` counted it) and attends over the row's live slots;
-    `layer` indexes the stacked cache.
+    Without a cache, or with a multi-token input (which fills an empty cache), the queries attend densely to the
+    input's own keys under `mask` [batch, seq, seq]. A one-token input is written at each active row's next slot
+    (`start_token` counted it) and attends over the row's live slots; `layer` indexes the stacked cache. The cache
+    does both through its interface (`KVCache` or `tiers.TieredCache`: the same methods).
 
-    A cache with per-slot state (`cache.state`, declared by the eviction policy) also gets the attention weights
-    of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a cache without
-    state runs exactly the code above.
+    A cache with per-slot state (`cache.state_specs`, declared by the eviction policy) also gets the attention
+    weights of every slot, summed over the query group (`vase_jax.cache.update_state` / `prefill_state`); a
+    cache without state runs exactly the code above.
     """
     q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, target)
     b, t = x.shape[:2]
-    if cache is not None and cache.tiers is not None:  # a mixed-precision cache (`vase_jax.tiers`)
-        out, cache = _tiered_attention(q, k, v, mask, cache, layer, attention_impl)
-    elif cache is not None and t == 1:
-        cache = write_token(cache, layer, k, v, q)
-        # Each row's own length: the kernels read a row's used blocks only (rows of a continuous batch differ),
-        # and nothing of a row that takes no token this step (finished, or waiting for its first tick).
-        lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
-        out = decode_attention(q[:, :, :, 0], cache.k, cache.v, cache.pos, lengths, attention_impl,
-                               layer=layer)[:, :, :, None]  # [batch, kv_heads, group, 1, head_dim]
-        if cache.state:
-            cache = update_state(cache, layer, q[:, :, :, 0])
-    elif cache is not None and cache.state:
-        cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
+    if cache is not None and t == 1:
+        out, cache = cache.attend_token(layer, k, v, q, attention_impl)  # [batch, kv_heads, group, 1, head_dim]
+    elif cache is not None and cache.state_specs:
         out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
-        cache = prefill_state(cache, layer, probs, mask[:, -1, :])
+        cache = cache.write_prompt(layer, k, v, q, mask[:, -1, :], probs.sum(axis=(2, 3)))  # [b, kv_heads, seq]
     else:
         if cache is not None:
-            cache = write_prompt(cache, layer, k, v, q, mask[:, -1, :])
+            cache = cache.write_prompt(layer, k, v, q, mask[:, -1, :])
         out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
     hd = cfg.num_heads * cfg.head_dim
     out = out.astype(x.dtype).reshape(b, cfg.num_heads, t, cfg.head_dim).transpose(0, 2, 1, 3).reshape(b * t, hd)
     return x + linear(out, w["o_proj"].reshape(-1, hd), target).reshape(b, t, -1), cache
-
-
-def _tiered_attention(q, k, v, mask, cache: KVCache, layer, attention_impl: str):
-    """`attention`'s output over a mixed-precision cache, and the cache: the token (or the prompt) written into
-    its tiers, a decode step's attention over both tiers merged by log-sum-exp."""
-    if k.shape[2] == 1:
-        cache = tiers.write_token(cache, layer, k, v, q)
-        out = tiers.decode_attention(q[:, :, :, 0], cache, layer, attention_impl)[:, :, :, None]
-        if cache.state:
-            cache = tiers.update_state(cache, layer, q[:, :, :, 0])
-    else:
-        weights = None
-        if cache.state:
-            out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
-            weights = probs.sum(axis=(2, 3))  # [b, kv_heads, seq]
-        else:
-            out = dense_attention(q, k, v, mask)  # [batch, kv_heads, group, seq, head_dim]
-        cache = tiers.write_prompt(cache, layer, k, v, q, mask[:, -1, :], weights)
-    return out, cache
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -408,8 +368,7 @@ class Qwen3(nnx.Module):
             return decoder_layer(cfg, w, x, positions, mask, c, i, attention_impl, target)
 
         if cache is not None:  # positions and counters first: every layer's `pos` is the same
-            start = tiers.start_prompt if cache.tiers is not None else start_prompt
-            cache = start_token(cache) if decoding else start(cache, mask[:, -1, :])
+            cache = cache.start_token() if decoding else cache.start_prompt(mask[:, -1, :])
         x, cache = run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
         return self.logits(x[:, -1:] if last_logits_only else x, target), cache
 

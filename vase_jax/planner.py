@@ -35,17 +35,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vase_jax import aot, batching
-from vase_jax.cache import init_cache
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.generate import GenerateConfig, generate_program, generate_tiers, query_window
+from vase_jax.generate import GenerateConfig, cache_layout, generate_program, query_window
 from vase_jax.invariance import UNPADDED, padded_rows, rule_for
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.sharding import cache_specs, check_mesh, param_specs, per_device_bytes, spec_for
 from vase_jax.target import Target, platform_of
-from vase_jax.tiers import TierLayout, init_tiered_cache, staged_quant_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,27 +74,21 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     config = dataclasses.replace(config or GenerateConfig(), max_new_tokens=max_new_tokens,
                                  platform=target.platform).validate()
     t = config.bucket(prompt_len)
-    capacity = framework.capacity_for(eviction, t, max_new_tokens)
-    if config.kv_bits.quantizes:  # a mixed-precision cache (one device: `generate` refuses it on a mesh)
-        if mesh.size > 1:
-            raise ValueError("a mixed-precision cache runs on one device; plan it with --mesh data=1,model=1")
-        capacity = generate_tiers(cfg, config, eviction, t)
+    if config.kv_bits.quantizes and mesh.size > 1:  # `generate` refuses it on a mesh
+        raise ValueError("a mixed-precision cache runs on one device; plan it with --mesh data=1,model=1")
+    capacity = cache_layout(cfg, config, eviction, t)
     specs = param_specs(cfg, mesh)
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = nnx.to_flat_state(nnx.state(abstract))
     weights = sum(per_device_bytes(v.shape, v.dtype, specs[p], shape) for p, v in params)
-    make = init_tiered_cache if isinstance(capacity, TierLayout) else init_cache
-    cache = jax.eval_shape(lambda: make(cfg, batch, capacity, query_window(eviction), dtype,
-                                        framework.slot_state(eviction), target))
-    if isinstance(capacity, TierLayout):  # one device: every byte of it
-        cache_bytes = _nbytes(cache)
-    else:
-        cspecs = cache_specs(cache, mesh)
-        cache_bytes = sum(per_device_bytes(x.shape, x.dtype, s, shape) for x, s in
-                          zip(jax.tree.leaves(cache), jax.tree.leaves(cspecs, is_leaf=lambda s: isinstance(
-                              s, jax.sharding.PartitionSpec)), strict=True))
+    cache = jax.eval_shape(lambda: capacity.init(cfg, batch, query_window(eviction), dtype,
+                                                 framework.slot_state(eviction), target))
+    cspecs = cache_specs(cache, mesh)
+    cache_bytes = sum(per_device_bytes(x.shape, x.dtype, s, shape) for x, s in
+                      zip(jax.tree.leaves(cache), jax.tree.leaves(cspecs, is_leaf=lambda s: isinstance(
+                          s, jax.sharding.PartitionSpec)), strict=True))
     if not compile_program:
-        return MemoryPlan(weights, cache_bytes, None, 0, 0, _slots(capacity))
+        return MemoryPlan(weights, cache_bytes, None, 0, 0, capacity.slots)
 
     def sharded(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
@@ -111,12 +103,7 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
                                       capacity, target, mesh).compile()
     m = compiled.memory_analysis()
     return MemoryPlan(weights, cache_bytes, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
-                      int(m.output_size_in_bytes), _slots(capacity))
-
-
-def _slots(capacity) -> int:
-    """Cache slots per (layer, row, kv head): an int, or a mixed-precision layout's virtual slots."""
-    return capacity.virtual_slots if isinstance(capacity, TierLayout) else capacity
+                      int(m.output_size_in_bytes), capacity.slots)
 
 
 # ---- the continuous engine (`vase_jax.batching.run`) -------------------------------------------------------------
@@ -242,12 +229,8 @@ class _EnginePrograms:
         self.config = dataclasses.replace(config, platform=self.target.platform).validate()
         self.cfg, self.eviction, self.dtype = cfg, eviction, jnp.dtype(dtype)
         self.slots = self.config.bucket(prompt_len)
-        self.capacity = framework.capacity_for(eviction, self.slots, self.config.max_new_tokens)
-        self.stage_slots = self.slots  # the staged prompts' cache
-        if self.config.kv_bits.quantizes:  # a mixed-precision cache (`vase_jax.tiers`): its layout, as `run` makes it
-            self.capacity = generate_tiers(cfg, self.config, eviction, self.slots)
-            self.stage_slots = dataclasses.replace(self.capacity,
-                                                   quant_slots=staged_quant_slots(self.capacity, self.slots))
+        self.capacity = cache_layout(cfg, self.config, eviction, self.slots)  # as `run` makes it
+        self.stage_slots = self.capacity.for_prompts(self.slots)  # the staged prompts' cache
         # On JAX's default device the arguments carry no sharding, as the engine's own arrays do: the programs
         # lowered here are then the ones `batching.run` compiles (the same text: a persistent compilation cache
         # serves them). Elsewhere (a deviceless target, the CPU beside a GPU) they are placed on the device.
@@ -321,7 +304,7 @@ class _EnginePrograms:
         state = self.state(rows, q)
         staged, staged_bytes, stage_temps = self.staged(q, compile_program)
         engine_temps = self.engine_temporaries(rows, q, state, staged) if compile_program else None
-        return EnginePlan(rows=rows, queue=q, capacity=_slots(self.capacity), staged_slots=self.slots,
+        return EnginePlan(rows=rows, queue=q, capacity=self.capacity.slots, staged_slots=self.slots,
                           weights=self.weights,
                           state=_nbytes(state), cache=_nbytes(state.loop.cache), staged=staged_bytes,
                           engine_temporaries=engine_temps, stage_temporaries=stage_temps,

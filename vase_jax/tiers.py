@@ -1,4 +1,4 @@
-"""The mixed-precision KV cache: each layer's slots in a 16-bit tier and a quantized tier (issue 27).
+"""The mixed-precision KV cache: each layer's slots in a 16-bit tier and a quantized tier.
 
 Layout (static shapes, per layer, row and kv head): the 16-bit tier is the cache's usual `k`, `v`, `pos` with
 F = P + 2B slots (rounded up to the attention block): P protected slots, then the B recent slots kept at the last
@@ -41,15 +41,16 @@ dequantized keys and values, one layer at a time, and Range from `value_range`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pallas_kernels import get_decode_partials, get_layout_pin, get_quant_decode_partials, select
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     KVCache,
+    SlotView,
     apply_state,
     as_bits,
     decode_slot_weights,
@@ -57,20 +58,21 @@ from vase_jax.cache import (
     init_cache,
     layer_of,
     left_padding,
-    ordered_queries,
+    pad_axis,
+    put_row,
     ring_times,
+    row_fields,
     stored,
     unpad,
     write_query_ring,
 )
 from vase_jax.cache import write_token as write_16
 from vase_jax.config import Qwen3Config
-from vase_jax.eviction import framework, scores
+from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
-from vase_jax.eviction.registry import METHODS, EvictionInputs
+from vase_jax.eviction.registry import METHODS
 from vase_jax.kvquant import KVBits, Quantized, dequantize, quantize, slots_first, slots_last, split_kept
 from vase_jax.quant_attention import merge, quantized_partials_of_arrays, tiered_attention
-from vase_jax.sampling import fold_rows, typed_key
 from vase_jax.target import Target
 
 # Methods whose kept set always holds their top-Nv Range candidates (with eviction, P <= Nv slots stay in 16
@@ -97,6 +99,21 @@ class TierLayout:
     @property
     def virtual_slots(self) -> int:
         return self.full_slots + self.quant_slots
+
+    @property
+    def slots(self) -> int:
+        """The slots the eviction policies see per (layer, row, kv head): the virtual slots of both tiers."""
+        return self.virtual_slots
+
+    def for_prompts(self, prompt_slots: int) -> TierLayout:
+        """The layout of a cache that only holds prompts of `prompt_slots` (the continuous engine's staging):
+        P_b - P quantized slots at most."""
+        return dataclasses.replace(self, quant_slots=_align(max(prompt_slots - self.protected, 0)))
+
+    def init(self, cfg: Qwen3Config, batch: int, window: int, dtype, state: tuple = (),
+             target: Target | None = None) -> TieredCache:
+        """An empty cache of this layout (`init_tiered_cache`)."""
+        return init_tiered_cache(cfg, batch, self, window, dtype, state, target)
 
 
 def protects_range(eviction: EvictionConfig) -> bool:
@@ -153,10 +170,100 @@ def tier_layout(kv_bits: KVBits, protected: int | None, eviction: EvictionConfig
                       quant_slots=_align(max(quant, 1)))  # at least one block: no zero-size arrays
 
 
-def staged_quant_slots(layout: TierLayout, prompt_slots: int) -> int:
-    """Quantized slots of a cache that only holds prompts of `prompt_slots` (the continuous engine's staged
-    prompts): P_b - P at most."""
-    return _align(max(prompt_slots - layout.protected, 0))
+@struct.dataclass(kw_only=True)
+class TieredCache(KVCache):
+    """A mixed-precision cache (module docstring): `k`, `v`, `pos` (and the counters) are the 16-bit tier, as in
+    a `KVCache`; the fields below the quantized tier. `state` and `value_range` run over the virtual slots (the
+    16-bit tier's F, then the quantized tier's Q). The interface is `KVCache`'s: the methods below are this
+    cache's own, the others (`start_token`, `layer_keys`, `as_floats`...) act on the 16-bit tier."""
+
+    # codes [layers, batch, kv_heads, quant_slots, bytes]; scale and low group-major (`kvquant.slots_last`)
+    # [layers, batch, kv_heads, groups, quant_slots]
+    kq: Quantized
+    vq: Quantized
+    qpos: jax.Array  # [layers, batch, kv_heads, quant_slots] int32, -1 = empty
+    qlength: jax.Array  # [batch] int32: quantized slots in use
+    value_range: jax.Array  # [layers, batch, kv_heads, virtual slots] f32: Range(v) at write
+    layout: TierLayout = struct.field(pytree_node=False)
+
+    def start_prompt(self, token_mask: jax.Array) -> TieredCache:
+        return start_prompt(self, token_mask)
+
+    def write_prompt(self, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array,
+                     slot_weights: jax.Array | None = None) -> TieredCache:
+        return write_prompt(self, layer, k, v, q, token_mask, slot_weights)
+
+    def attend_token(self, layer, k: jax.Array, v: jax.Array, q: jax.Array,
+                     attention_impl: str = "auto") -> tuple[jax.Array, TieredCache]:
+        cache = write_token(self, layer, k, v, q)
+        out = decode_attention(q[:, :, :, 0], cache, layer, attention_impl)[:, :, :, None]
+        if cache.state:
+            cache = update_state(cache, layer, q[:, :, :, 0])
+        return out, cache
+
+    @property
+    def slot_count(self) -> int:
+        return self.layout.virtual_slots
+
+    @property
+    def kv_stacks(self) -> tuple[jax.Array, ...]:
+        return (self.k, self.v, *jax.tree.leaves((self.kq, self.vq)))
+
+    def has_events(self, eviction: EvictionConfig) -> bool:
+        return True  # ticks every B steps, with or without eviction
+
+    def rows_due(self, eviction: EvictionConfig) -> jax.Array:
+        """[batch] bool: the rows at a tick after this step (they took a token and `seen` is a multiple of B)."""
+        return self.active & (self.seen % self.layout.buffer == 0)
+
+    def phase_wait(self, seen, step, eviction: EvictionConfig):
+        """The wait that puts the row's ticks (every B steps, with or without eviction) on the batch's:
+        (seen - step) mod B."""
+        return (seen - step) % self.layout.buffer
+
+    def flush(self, rows: jax.Array, attention_impl: str = "auto") -> TieredCache:
+        return flush(self, rows, attention_impl)
+
+    def pinned(self, attention_impl: str = "auto") -> TieredCache:
+        return pinned(self, attention_impl)
+
+    def candidates(self, layer, recent: int) -> SlotView:
+        return candidates(self, layer, recent)
+
+    def keep(self, layer, view: SlotView, kept: jax.Array, rows: jax.Array,
+             eviction: EvictionConfig) -> TieredCache:
+        return keep(self, layer, view, kept, rows)
+
+    def evicted(self, rows: jax.Array, eviction: EvictionConfig) -> TieredCache:
+        """The counters after the eviction of the `rows`: the 16-bit tier holds P + B, the quantized tier the
+        K - P other kept slots; N seen, one more event."""
+        p, b_ = self.layout.protected, self.layout.buffer
+        return self.replace(length=jnp.where(rows, p + b_, self.length),
+                            qlength=jnp.where(rows, eviction.kept - p, self.qlength),
+                            seen=jnp.where(rows, eviction.budget, self.seen),
+                            evictions=self.evictions + rows.astype(jnp.int32))
+
+    def take_row(self, j, like: TieredCache) -> TieredCache:
+        """Row `j` with the slots of `like`: each tier, and the virtual slots' arrays, padded at its end."""
+        def tier(x, size, fill, slot_axis=3):
+            return pad_axis(jax.lax.dynamic_slice_in_dim(x, j, 1, 1), slot_axis, size, fill)
+
+        def quantized(x, y):  # codes [.., slots, bytes]; scale and low group-major [.., groups, slots]
+            return x.replace(codes=tier(x.codes, y.codes.shape[3], 0), scale=tier(x.scale, y.scale.shape[4], 0, 4),
+                             low=tier(x.low, y.low.shape[4], 0, 4))
+
+        virtual = like.value_range.shape[3]
+        return self.replace(
+            **row_fields(self, j, like.capacity), kq=quantized(self.kq, like.kq), vq=quantized(self.vq, like.vq),
+            qpos=tier(self.qpos, like.qpos.shape[3], -1), value_range=tier(self.value_range, virtual, 0),
+            qlength=jax.lax.dynamic_slice_in_dim(self.qlength, j, 1), layout=like.layout,
+            state={name: tier(x, virtual, 0) for name, x in self.state.items()})
+
+    def put_row(self, one: TieredCache, row) -> TieredCache:
+        new = KVCache.put_row(self, one, row)
+        tiers = {name: jax.tree.map(lambda x, y: put_row(x, y, row, 1), getattr(self, name), getattr(one, name))
+                 for name in ("kq", "vq", "qpos", "value_range")}
+        return new.replace(**tiers, qlength=put_row(self.qlength, one.qlength, row, 0))
 
 
 # ---- storage -------------------------------------------------------------------------------------------------
@@ -177,7 +284,7 @@ def _dequantize(x: Quantized, dtype) -> jax.Array:
 
 
 def init_tiered_cache(cfg: Qwen3Config, batch: int, tiers: TierLayout, window: int, dtype, state: tuple = (),
-                      target: Target | None = None) -> KVCache:
+                      target: Target | None = None) -> TieredCache:
     """An empty mixed-precision cache (`cache.init_cache` for the 16-bit tier, plus the quantized tier)."""
     cache = init_cache(cfg, batch, tiers.full_slots, window, dtype, (), target)
     lead = (cfg.num_layers, batch, cfg.num_kv_heads, tiers.quant_slots)
@@ -187,10 +294,11 @@ def init_tiered_cache(cfg: Qwen3Config, batch: int, tiers: TierLayout, window: i
     kq = slots_last(jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "key", dtype, bits_storage)))
     vq = slots_last(jax.tree.map(jnp.zeros_like, _quantize(zeros, tiers, "value", dtype, bits_storage)))
     virtual = lead[:3] + (tiers.virtual_slots,)
-    return cache.replace(
+    fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+    return TieredCache(**fields | dict(
         kq=kq, vq=vq, qpos=jnp.full(lead, -1, jnp.int32), qlength=jnp.zeros((batch,), jnp.int32),
-        value_range=jnp.zeros(virtual, jnp.float32), tiers=tiers, state_specs=tuple(state),
-        state={spec.name: jnp.zeros(virtual, jnp.float32) for spec in state})
+        value_range=jnp.zeros(virtual, jnp.float32), layout=tiers, state_specs=tuple(state),
+        state={spec.name: jnp.zeros(virtual, jnp.float32) for spec in state}))
 
 
 def _layer_quantized(x: Quantized, layer) -> Quantized:
@@ -301,7 +409,7 @@ def _write_layer(cache: KVCache, layer, src: Sources, src16: jax.Array, srcq: ja
     (None: all; the others keep their layer as it is). `most_fresh`: a bound on the fresh slots of a (row, kv
     head) (None: Q); only that many tokens are quantized, gathered in slot order and scattered to their slots.
     """
-    t = cache.tiers
+    t = cache.layout
     f = t.full_slots
     dtype = cache.float_dtype
     bits_storage = cache.k.dtype == jnp.uint16
@@ -377,7 +485,7 @@ def _sources_16(score: jax.Array, eligible: jax.Array, recent: jax.Array, tiers:
 def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
     """`cache.start_prompt` for a mixed-precision cache: the counters of the tiered prompt (`write_prompt`
     writes the positions per layer)."""
-    t = cache.tiers
+    t = cache.layout
     real = token_mask.sum(axis=1).astype(jnp.int32)  # [batch]
     recent = real % t.buffer
     quantized = jnp.maximum(real - recent - t.protected, 0)
@@ -395,7 +503,7 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
 
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
-    t = cache.tiers
+    t = cache.layout
     pad = left_padding(token_mask)  # [batch]
     seq = k.shape[2]
     real = seq - pad  # [batch]
@@ -451,7 +559,7 @@ def decode_attention(q: jax.Array, cache: KVCache, layer, attention_impl: str) -
     kernels (`pallas_kernels.get_decode_partials`, `get_quant_decode_partials`: the codes unpacked in the kernel)
     read each tier on its own, merged by log-sum-exp; a setting the quantized kernels do not take
     (`_kernels_take`: a 16-bit side, groups under 16 channels) has its quantized tier read by the XLA path."""
-    t = cache.tiers
+    t = cache.layout
     lengths = jnp.where(cache.active, cache.length, 0)  # [batch]
     if not t.quant_slots:
         return merge([get_decode_partials(attention_impl)(q, cache.k, cache.v, cache.pos, lengths, layer)], q.dtype)
@@ -480,7 +588,7 @@ def virtual_layer(cache: KVCache, layer) -> tuple[jax.Array, jax.Array, jax.Arra
     dtype = cache.float_dtype
     keys, values = cache.layer_keys(layer), cache.layer_values(layer)
     pos = layer_of(cache.pos, layer)
-    if not cache.tiers.quant_slots:
+    if not cache.layout.quant_slots:
         return keys, values, pos
     kq, vq = _layer_quantized(cache.kq, layer), _layer_quantized(cache.vq, layer)
     return (jnp.concatenate([keys, _dequantize(kq, dtype)], axis=2),
@@ -491,73 +599,80 @@ def virtual_layer(cache: KVCache, layer) -> tuple[jax.Array, jax.Array, jax.Arra
 def update_state(cache: KVCache, layer, q: jax.Array) -> KVCache:
     """`cache.update_state` over the virtual slots (the quantized keys dequantized; one layer)."""
     keys, _, pos = virtual_layer(cache, layer)
-    f = cache.tiers.full_slots
+    f = cache.layout.full_slots
     slot = jnp.arange(pos.shape[-1])
     live = jnp.where(slot < f, slot < cache.length[:, None, None], slot - f < cache.qlength[:, None, None])
     w = decode_slot_weights(q, keys, jnp.where(live, pos, -1), jnp.full_like(cache.length, pos.shape[-1]))
     return apply_state(cache, layer, w, cache.active)
 
 
-# ---- ticks -------------------------------------------------------------------------------------------------
-def rows_due(cache: KVCache) -> jax.Array:
-    """[batch] bool: the rows at a tick after this step (they took a token and `seen` is a multiple of B)."""
-    return cache.active & (cache.seen % cache.tiers.buffer == 0)
+# ---- ticks ---------------------------------------------------------------------------------------------------
+def _newest(cache: TieredCache) -> jax.Array:
+    """[batch, B] the 16-bit slots of each row's newest B tokens."""
+    b_ = cache.layout.buffer
+    return cache.length[:, None] - b_ + jnp.arange(b_)[None]
 
 
-def retier(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
-           attention_impl: str = "auto") -> KVCache:
-    """The tick of every due row (`rows_due`), over every layer: an eviction where the row's trigger fires, a
-    flush otherwise (module docstring). Rows not due are untouched; with none due the loop runs zero times."""
-    t = cache.tiers
-    due = rows_due(cache)
-    evicting = due & framework.trigger(cache.seen, eviction) if eviction.evicts else jnp.zeros_like(due)
-    f, p, b_ = t.full_slots, t.protected, t.buffer
-    key = typed_key(key)
-    per_row = key if key.ndim == 1 else None
-    batch = cache.length.shape[0]
-    newest = cache.length[:, None] - b_ + jnp.arange(b_)[None]  # [b, B] 16-bit slots of the newest B
+def flush(cache: TieredCache, rows: jax.Array, attention_impl: str = "auto") -> TieredCache:
+    """The tick of the `rows` [batch] bool that do not evict, over every layer (`_flush_layer`): the P 16-bit
+    candidates of largest protection score stay, the other 16-bit candidates are quantized and appended, then
+    the 16-bit tier holds P + B. Other rows are untouched; with none the loop runs zero times."""
+    t = cache.layout
+    newest = _newest(cache)
 
-    flushing = due & ~evicting
-    pin = functools.partial(pinned, attention_impl=attention_impl)
-
-    def evict_layer(layer, c: KVCache) -> KVCache:  # the evicting rows: the policy over both tiers
-        c = pin(c)
-        keys, values, vpos = virtual_layer(c, layer)  # [b, h, V, D] x 2, [b, h, V]
-        v_slots = vpos.shape[-1]
-        slot = jnp.arange(v_slots)
-        is_q = slot >= f  # [V]
-        live = jnp.where(is_q, slot - f < c.qlength[:, None, None], slot < c.length[:, None, None]) & (vpos >= 0)
-        recent = jnp.broadcast_to(newest[:, None], vpos.shape[:2] + (b_,))  # [b, h, B]
-        candidate = live & ~_scatter_mask(recent, v_slots)  # [b, h, V]
-        rng = layer_of(c.value_range, layer)  # [b, h, V]
-        state = {name: layer_of(x, layer) for name, x in c.state.items()}
-        score = _protection(rng, jnp.where(candidate, vpos, -1), t)
-        kept = _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row,
-                       row_ids, attention_impl, batch)  # [b, h, K] virtual slots
-        src16, srcq, fresh = _split(kept, is_q, score, newest, t)  # by `kvquant.split_kept`'s rule
-        src = Sources(keys, values, vpos, rng, state, (_layer_quantized(c.kq, layer), _layer_quantized(c.vq, layer)))
-        # fresh tokens come from the 16-bit tier less its newest B (which stay): at most F - B of them
-        return pin(_write_layer(c, layer, src, src16, srcq, fresh, evicting, most_fresh=f - b_))
-
-    def flush_layer(layer, c: KVCache) -> tuple[KVCache, jax.Array]:
-        new, count = _flush_layer(pin(c), layer, flushing, newest)
-        return pin(new), count
+    def flush_layer(layer, carry):
+        new, count = _flush_layer(pinned(carry[0], attention_impl), layer, rows, newest)
+        return pinned(new, attention_impl), count
 
     with jax.named_scope("retier"):
         # the flush's count comes out of the loop (read with the layer it rewrites: reading the old cache after
         # the loop would keep the old `pos` stack alive, a copy of it per tick)
-        new, fresh_count = jax.lax.fori_loop(0, jnp.where(jnp.any(flushing), cache.num_layers, 0),
-                                             lambda layer, c: flush_layer(layer, c[0]),
+        new, fresh_count = jax.lax.fori_loop(0, jnp.where(jnp.any(rows), cache.num_layers, 0), flush_layer,
                                              (cache, jnp.zeros_like(cache.length)))
-        if eviction.evicts:
-            new = jax.lax.fori_loop(0, jnp.where(jnp.any(evicting), cache.num_layers, 0), evict_layer, new)
-    # New counters: the 16-bit tier holds P + B; the quantized tier what the flush appended or the K - P kept.
-    qlength = jnp.where(evicting, eviction.kept - p if eviction.evicts else 0,
-                        jnp.minimum(cache.qlength + fresh_count, t.quant_slots))
-    budget = eviction.budget if eviction.evicts else 0
-    return new.replace(length=jnp.where(due, p + b_, cache.length), qlength=jnp.where(due, qlength, cache.qlength),
-                       seen=jnp.where(evicting, budget, cache.seen),
-                       evictions=cache.evictions + evicting.astype(jnp.int32))
+    return new.replace(length=jnp.where(rows, t.protected + t.buffer, cache.length),
+                       qlength=jnp.where(rows, jnp.minimum(cache.qlength + fresh_count, t.quant_slots),
+                                         cache.qlength))
+
+
+def _virtual_pos(cache: TieredCache, layer) -> jax.Array:
+    """[b, h, V] the positions of one layer's virtual slots."""
+    return jnp.concatenate([layer_of(cache.pos, layer), layer_of(cache.qpos, layer)], axis=2)
+
+
+def candidates(cache: TieredCache, layer, recent: int) -> SlotView:
+    """One layer as an eviction policy sees it: the live slots of both tiers but the newest B (the 16-bit slots
+    [length - B, length), which stay), over the virtual slots, the quantized ones dequantized; Range as recorded
+    at write."""
+    t = cache.layout
+    if recent != t.buffer:
+        raise ValueError(f"the mixed-precision cache keeps the newest B = {t.buffer} slots at an eviction; this "
+                         f"method keeps {recent} unscored")
+    keys, values, vpos = virtual_layer(cache, layer)  # [b, h, V, D] x 2, [b, h, V]
+    f = t.full_slots
+    slot = jnp.arange(vpos.shape[-1])
+    live = jnp.where(slot >= f, slot - f < cache.qlength[:, None, None], slot < cache.length[:, None, None])
+    recent_slots = jnp.broadcast_to(_newest(cache)[:, None], vpos.shape[:2] + (t.buffer,))  # [b, h, B]
+    candidate = live & (vpos >= 0) & ~_scatter_mask(recent_slots, vpos.shape[-1])  # [b, h, V]
+    return SlotView(keys=keys, values=values, pos=jnp.where(candidate, vpos, -1),
+                    buffer_keys=_gather(keys, recent_slots), buffer_values=_gather(values, recent_slots),
+                    buffer_pos=_gather(vpos, recent_slots),
+                    state={name: layer_of(x, layer) for name, x in cache.state.items()},
+                    value_range=layer_of(cache.value_range, layer))
+
+
+def keep(cache: TieredCache, layer, view: SlotView, kept: jax.Array, rows: jax.Array) -> TieredCache:
+    """Layer `layer` of both tiers after the eviction of the `rows` [batch] bool, from the policy's `kept`
+    [b, h, K] virtual slots of `view` (`candidates`): by `kvquant.split_kept`'s rule, the P kept slots of largest
+    protection score then the newest B in 16 bits, every other kept slot quantized (its codes if it was)."""
+    t = cache.layout
+    f = t.full_slots
+    is_q = jnp.arange(view.pos.shape[-1]) >= f  # [V]
+    score = _protection(view.value_range, view.pos, t)
+    src16, srcq, fresh = _split(kept, is_q, score, _newest(cache), t)
+    src = Sources(view.keys, view.values, _virtual_pos(cache, layer), view.value_range, view.state,
+                  (_layer_quantized(cache.kq, layer), _layer_quantized(cache.vq, layer)))
+    # fresh tokens come from the 16-bit tier less its newest B (which stay): at most F - B of them
+    return _write_layer(cache, layer, src, src16, srcq, fresh, rows, most_fresh=f - t.buffer)
 
 
 def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> tuple[KVCache, jax.Array]:
@@ -569,7 +684,7 @@ def _flush_layer(cache: KVCache, layer, rows: jax.Array, newest: jax.Array) -> t
 
     Every read gathers straight from the stacks (the layer index is part of the gather) and every write is one
     update of this layer, so the loop over layers rewrites the stacks in place (no copy of a stack per layer)."""
-    t = cache.tiers
+    t = cache.layout
     f, b_ = t.full_slots, t.buffer
     dtype = cache.float_dtype
     pos16 = layer_of(cache.pos, layer)  # [b, h, F]
@@ -643,28 +758,3 @@ def _split(kept: jax.Array, is_q: jax.Array, score: jax.Array, newest: jax.Array
     quant = jnp.pad(quant, ((0, 0), (0, 0), (0, extra)), constant_values=-1)[..., :q]
     fresh = jnp.pad(fresh, ((0, 0), (0, 0), (0, extra)))[..., :q] & (quant >= 0)
     return src16, jnp.where(fresh, quant, jnp.where(quant >= 0, quant - f, -1)), fresh
-
-
-def _select(c, layer, eviction, keys, values, vpos, candidate, rng, state, newest, key, per_row, row_ids,
-            attention_impl, batch):
-    """The policy's kept virtual slots [b, h, K] for this layer (`framework.select_layer` over both tiers)."""
-    method = METHODS[eviction.method]
-    if per_row is None:
-        layer_key = jax.random.fold_in(key, layer)
-        event_key = fold_rows(jnp.broadcast_to(layer_key, (batch,)), c.evictions)
-    else:
-        layer_key = fold_rows(per_row, jnp.full((batch,), layer, jnp.int32))
-        event_key = fold_rows(layer_key, c.evictions)
-    h = vpos.shape[1]
-    idx = jnp.broadcast_to(newest[:, None], (batch, h, newest.shape[-1]))
-    if method.needs_queries:
-        queries, query_valid = ordered_queries(c, layer)
-    else:
-        queries = jnp.zeros((batch, h, 1, 0, keys.shape[-1]), keys.dtype)
-        query_valid = jnp.zeros((batch, 0), bool)
-    inputs = EvictionInputs(
-        keys=keys, values=values, queries=queries, query_valid=query_valid, pos=jnp.where(candidate, vpos, -1),
-        layer_key=layer_key, row_ids=row_ids, buffer_keys=_gather(keys, idx), buffer_values=_gather(values, idx),
-        buffer_pos=_gather(vpos, idx), state={s.name: state[s.name] for s in method.state}, value_range=rng,
-        attention_impl=attention_impl)
-    return framework.run_policy(inputs, eviction, event_key)

@@ -106,6 +106,21 @@ class EvictionConfig:
     def evicts(self) -> bool:
         return self.method != NO_EVICTION
 
+    def fires(self, seen):
+        """The reference's eviction trigger on `seen` real tokens, `n > N and n % B == 0` (never for "full").
+        Python ints or int32 arrays."""
+        if not self.evicts:
+            return seen < 0  # False, of seen's type and shape
+        return (seen > self.budget) & (seen % self.buffer == 0)
+
+    def phase_wait(self, seen, step):
+        """Steps a row holding `seen` tokens waits, when the batch has run `step` steps, before its first decode
+        step, so that its trigger counter and the batch's step count agree modulo B (seen - step = 0 mod B) and it
+        fires only on the batch's ticks (step % B == 0). 0 for "full". Python ints or int arrays; 0 <= wait < B."""
+        if not self.evicts:
+            return seen * 0
+        return (seen - step) % self.buffer
+
     @property
     def policy(self):
         """The registered `Policy` of `method` (KeyError for "full")."""

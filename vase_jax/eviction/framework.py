@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
-from vase_jax.cache import KVCache, layer_of, ordered_queries
+from vase_jax.cache import KVCache, SlotView, ordered_queries
 from vase_jax.eviction import scores
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS, EvictionInputs, SlotState
@@ -61,50 +61,23 @@ def capacity_for(eviction: EvictionConfig, prompt_slots: int, max_new_tokens: in
 
 
 def trigger(seen, eviction: EvictionConfig):
-    """The reference trigger on `seen` real tokens: `n > N and n % B == 0`. Python ints or int32 arrays."""
-    return (seen > eviction.budget) & (seen % eviction.buffer == 0)
+    """The reference trigger on `seen` real tokens: `n > N and n % B == 0` (`EvictionConfig.fires`)."""
+    return eviction.fires(seen)
 
 
-def rows_to_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
+def rows_to_evict(cache, eviction: EvictionConfig) -> jax.Array:
     """[batch] bool: the rows whose trigger fires after this step (rows that took a token at it)."""
-    return cache.active & trigger(cache.seen, eviction)
+    return cache.active & eviction.fires(cache.seen)
 
 
-def should_evict(cache: KVCache, eviction: EvictionConfig) -> jax.Array:
+def should_evict(cache, eviction: EvictionConfig) -> jax.Array:
     """Whether an eviction event runs after this step: some row's trigger fires."""
     return rows_to_evict(cache, eviction).any()
 
 
 def phase_wait(seen, step, eviction: EvictionConfig):
-    """Steps a row holding `seen` tokens waits, when the batch has run `step` steps, before its first decode step,
-    so that its trigger counter and the batch's step count agree modulo B (seen - step = 0 mod B) and it fires
-    only on the batch's ticks (step % B == 0). 0 for `full`. Python ints or int arrays; 0 <= wait < B."""
-    if not eviction.evicts:
-        return seen * 0
-    return (seen - step) % eviction.buffer
-
-
-def _gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x: [batch, kv_heads, L, ...]; idx: [batch, kv_heads, K] -> [batch, kv_heads, K, ...]."""
-    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
-    return jnp.take_along_axis(x, idx, axis=2)
-
-
-def _newest(x: jax.Array, length: jax.Array, buffer: int) -> jax.Array:
-    """Each row's slots [length[b] - B, length[b]): x [batch, kv_heads, capacity, ...] -> [batch, kv_heads, B, ...]."""
-    idx = jnp.clip(length[:, None] - buffer + jnp.arange(buffer), 0, x.shape[2] - 1)  # [batch, B]
-    return _gather_slots(x, jnp.broadcast_to(idx[:, None], x.shape[:2] + (buffer,)))
-
-
-def _compacted_slots(kept: jax.Array, length: jax.Array, capacity: int, budget: int, recent: int) -> jax.Array:
-    """[batch, kv_heads, capacity] source slot of every slot after an eviction: the kept candidates to [0, K),
-    each row's newest `recent` slots to [K, N) (K = N - recent), slots >= N unchanged (stale)."""
-    k = budget - recent
-    slot = jnp.arange(capacity)
-    newest = length[:, None, None] - budget + slot  # slot j in [K, N) <- length - R + (j - K)
-    kept_full = jnp.pad(kept, ((0, 0), (0, 0), (0, capacity - k)))  # [batch, kv_heads, capacity]
-    src = jnp.where(slot < k, kept_full, jnp.where(slot < budget, newest, slot))
-    return jnp.clip(src, 0, capacity - 1)
+    """`EvictionConfig.phase_wait`: the steps a row waits so that it fires on the batch's ticks."""
+    return eviction.phase_wait(seen, step)
 
 
 def slot_state(eviction: EvictionConfig) -> tuple[SlotState, ...]:
@@ -137,38 +110,32 @@ def run_policy(inputs: EvictionInputs, eviction: EvictionConfig, key: jax.Array)
 
 
 def layer_inputs(
-    cache: KVCache, layer, eviction: EvictionConfig, layer_key: jax.Array, row_ids: jax.Array,
-    attention_impl: str = "auto",
+    cache, layer, eviction: EvictionConfig, layer_key: jax.Array, row_ids: jax.Array,
+    attention_impl: str = "auto", view: SlotView | None = None,
 ) -> EvictionInputs:
-    """What a policy sees of one layer: row b's candidates are its slots [0, length[b] - R) (R =
-    `eviction.recent`, the newest slots that are kept unscored), padded to the static L = capacity - R."""
+    """What a policy sees of one layer: the cache's view of its candidates (`candidates(layer, R)`, R =
+    `eviction.recent`; `view` if the caller has it), the query ring if the policy reads it, the row's counters."""
     method = METHODS[eviction.method]
-    recent = eviction.recent
-    num_candidates = cache.capacity - recent  # static L
-    slot = jnp.arange(num_candidates)
-    keys = cache.layer_keys(layer)  # [batch, kv_heads, capacity, head_dim]
-    values = cache.layer_values(layer)
-    layer_pos = layer_of(cache.pos, layer)  # [batch, kv_heads, capacity]
-    pos = jnp.where(slot < (cache.length - recent)[:, None, None], layer_pos[:, :, :num_candidates], -1)
-
+    view = cache.candidates(layer, eviction.recent) if view is None else view
     if method.needs_queries:
         queries, query_valid = ordered_queries(cache, layer)
     else:
-        b, h = pos.shape[:2]
-        queries = jnp.zeros((b, h, 1, 0, keys.shape[-1]), keys.dtype)
+        b, h = view.pos.shape[:2]
+        queries = jnp.zeros((b, h, 1, 0, view.keys.shape[-1]), view.keys.dtype)
         query_valid = jnp.zeros((b, 0), bool)
     return EvictionInputs(
-        keys=keys[:, :, :num_candidates],
-        values=values[:, :, :num_candidates],
+        keys=view.keys,
+        values=view.values,
         queries=queries,
         query_valid=query_valid,
-        pos=pos,
+        pos=view.pos,
         layer_key=layer_key,
         row_ids=row_ids,
-        buffer_keys=_newest(keys, cache.length, recent),
-        buffer_values=_newest(values, cache.length, recent),
-        buffer_pos=_newest(layer_pos, cache.length, recent),
-        state={s.name: layer_of(cache.state[s.name], layer)[:, :, :num_candidates] for s in method.state},
+        buffer_keys=view.buffer_keys,
+        buffer_values=view.buffer_values,
+        buffer_pos=view.buffer_pos,
+        state={s.name: view.state[s.name] for s in method.state},
+        value_range=view.value_range,
         layer=layer,
         prompt_length=cache.prompt_length,
         next_position=cache.row_pos,
@@ -231,59 +198,56 @@ def evict_per_device(cache: KVCache, eviction: EvictionConfig, key: jax.Array, r
                          check_vma=False)(cache, key, row_ids)
 
 
-def evict(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
-          attention_impl: str = "auto", rows: jax.Array | None = None) -> KVCache:
-    """One eviction event over every layer, for the `rows` [batch] bool (default: `rows_to_evict`); the other
-    rows are left untouched. `key`: the eviction key, one for the batch or one per row [batch];
-    `attention_impl` picks the scoring kernels (`GenerateConfig.attention_impl`).
+def evict(cache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
+          attention_impl: str = "auto", rows: jax.Array | None = None):
+    """One event over every layer, for the rows the cache says are due (`rows_due`; `rows` [batch] bool: these
+    rows evict, whatever their trigger); the other rows are left untouched. `key`: the eviction key, one for the
+    batch or one per row [batch]; `attention_impl` picks the scoring kernels (`GenerateConfig.attention_impl`).
+
+    The due rows whose trigger fires evict: per layer, the policy selects from the cache's view of its candidates
+    (`candidates`) and the cache keeps what it selected (`keep`); the other due rows (a mixed-precision cache's
+    ticks between evictions) take the cache's own event (`flush`). The same code for every kind of cache.
 
     A `fori_loop` over layers with the stacked cache in its carry: each iteration reads one layer, selects,
-    compacts it and writes it back in place, so the event holds one layer's candidates and scores at a time.
-    With no row to evict the loop runs zero times: a caller may call this at every point where an event may be
-    due, with no conditional around it (XLA:GPU copies the whole cache into and out of a conditional's branches).
+    rewrites it in place, so the event holds one layer's candidates and scores at a time. With no row to evict
+    the loop runs zero times: a caller may call this at every point where an event may be due, with no
+    conditional around it (XLA:GPU copies the whole cache into and out of a conditional's branches).
     """
-    budget, recent = eviction.budget, eviction.recent
-    rows = rows_to_evict(cache, eviction) if rows is None else rows
-    stale = jnp.arange(cache.capacity) >= budget  # slots >= N hold nothing after the event
+    if rows is None:
+        due = cache.rows_due(eviction)
+        evicting = due & eviction.fires(cache.seen)
+        cache = cache.flush(due & ~evicting, attention_impl)
+    else:
+        evicting = rows
+    if not eviction.evicts:
+        return cache
     key = typed_key(key)
     per_row = key if key.ndim == 1 else None
     b = cache.length.shape[0]
 
-    def keys_of(layer, c: KVCache) -> tuple[jax.Array, jax.Array]:  # (event key [batch], layer key)
+    def keys_of(layer, c) -> tuple[jax.Array, jax.Array]:  # (event key [batch], layer key)
         if per_row is None:
             layer_key = jax.random.fold_in(key, layer)
             return fold_rows(jnp.broadcast_to(layer_key, (b,)), c.evictions), layer_key
         layer_key = fold_rows(per_row, jnp.full((b,), layer, jnp.int32))
         return fold_rows(layer_key, c.evictions), layer_key
 
-    layers = jnp.where(jnp.any(rows), cache.num_layers, 0)  # no row due: nothing to do
+    layers = jnp.where(jnp.any(evicting), cache.num_layers, 0)  # no row due: nothing to do
     shared = None
     if METHODS[eviction.method].layer_combine(eviction):
         with jax.named_scope("eviction_scores"):
             shared = shared_selection(cache, eviction, *keys_of(0, cache), row_ids, layers, attention_impl)
 
-    def one_layer(layer, c: KVCache) -> KVCache:
+    def one_layer(layer, c):
+        c = c.pinned(attention_impl)
+        view = c.candidates(layer, eviction.recent)
+        kept = shared
         if shared is None:
-            kept = select_layer(c, layer, eviction, *keys_of(layer, c), row_ids, attention_impl)
-        else:
-            kept = shared
-        src = _compacted_slots(kept, c.length, c.capacity, budget, recent)  # [batch, kv_heads, capacity]
-        src = jnp.where(rows[:, None, None], src, jnp.arange(c.capacity))  # rows not evicted: every slot stays
-        cleared = stale & rows[:, None, None]  # [batch, 1 | kv_heads, capacity]: slots >= N of evicted rows
-        b_idx = jnp.arange(b)[:, None, None]
-        h_idx = jnp.arange(src.shape[1])[None, :, None]
-
-        def update(x: jax.Array, fill=None) -> jax.Array:
-            # gathered straight from the stack (the layer index is part of the gather): no copy of the old layer
-            new = x[layer, b_idx, h_idx, src]  # [batch, kv_heads, capacity, ...]
-            if fill is not None:
-                new = jnp.where(cleared.reshape(cleared.shape + (1,) * (new.ndim - 3)), fill, new)
-            return jax.lax.dynamic_update_index_in_dim(x, new, layer, axis=0)
-
-        state = {name: update(x, 0.0) for name, x in c.state.items()}
-        return c.replace(k=update(c.k), v=update(c.v), pos=update(c.pos, -1), state=state)
+            event_key, layer_key = keys_of(layer, c)
+            kept = run_policy(layer_inputs(c, layer, eviction, layer_key, row_ids, attention_impl, view), eviction,
+                              event_key)
+        return c.keep(layer, view, kept, evicting, eviction).pinned(attention_impl)
 
     with jax.named_scope("eviction"):
         cache = jax.lax.fori_loop(0, layers, one_layer, cache)
-    return cache.replace(length=jnp.where(rows, budget, cache.length), seen=jnp.where(rows, budget, cache.seen),
-                         evictions=cache.evictions + rows.astype(jnp.int32))
+    return cache.evicted(evicting, eviction)
