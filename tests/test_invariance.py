@@ -21,7 +21,15 @@ import pytest
 
 import vase_jax as vj
 from vase_jax.config import Qwen3Config
-from vase_jax.invariance import BATCHES, DEFAULT_MIN_ROWS, RowRule, padded_rows, probe_shapes, rule_for
+from vase_jax.invariance import (
+    BATCHES,
+    DEFAULT_MIN_ROWS,
+    RowRule,
+    _cancelling,
+    padded_rows,
+    probe_shapes,
+    rule_for,
+)
 from vase_jax.random_model import HEAD_SCALE, random_model
 from vase_jax.target import Target
 
@@ -106,6 +114,27 @@ def test_probe_rule_and_padding():
     unmeasured = rule_for(CFG, jnp.bfloat16, Target.make("tpu"))  # no TPU here: the documented default
     assert unmeasured.min_rows == DEFAULT_MIN_ROWS["tpu"] and not unmeasured.invariant
     assert rule_for(CFG, jnp.float32, Target.make("cpu")) is rule_for(CFG, jnp.float32, Target.make("cpu"))  # cached
+
+
+def test_probe_inputs_show_the_order_of_a_sum_in_bfloat16():
+    """The probe's inputs make a matmul's summation order visible in a bfloat16 output: the same float32 products
+    summed forwards and backwards round to other bfloat16 values in almost every output, where normal inputs (what
+    the probe used when it missed a 2-row kernel on an Intel Xeon with AMX) almost never show it."""
+    def orders_differ(x, w):  # share of outputs whose bfloat16 value depends on the order of the float32 sum
+        products = (np.asarray(x, np.float32)[:, None, :] * np.asarray(w, np.float32)[None]).astype(np.float32)
+        forwards = np.zeros(products.shape[:2], np.float32)
+        backwards = np.zeros(products.shape[:2], np.float32)
+        for i in range(products.shape[2]):
+            forwards += products[..., i]
+            backwards += products[..., -1 - i]
+        bf16 = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (forwards, backwards)]
+        return np.mean(bf16[0] != bf16[1])
+
+    rng = np.random.default_rng(0)
+    x, w = _cancelling(rng, 8, 256, 64, jnp.bfloat16)
+    assert orders_differ(x, w) > 0.9
+    normal = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((8, 256), (64, 256))]
+    assert orders_differ(*normal) < 0.05
 
 
 def test_bad_batch_invariant_flag():

@@ -1,17 +1,18 @@
 """Batch invariance: does a row's result depend on how many rows ride with it, here, and from how many rows on not?
 
-A matmul's kernel is picked by its shape. On XLA:CPU (jax 0.10.2) a one-row matmul is a matrix-vector product
-whose float32 sums differ from the multi-row kernel's (AMD EPYC, AVX2: batch 1 differs, 2 to 128 agree); on an
-Intel Xeon with AVX-512, in bfloat16, batches 1 and 2 differ and 3 on agree; on GPUs cuBLAS picks kernels and
-split-K by the row count too. So the rule is measured, not assumed: `probe_shapes` runs the model's own matmuls
-(its projections and LM head through `model.linear`, as the model runs them) at batches
-`BATCHES` on the current backend and dtype, compares every row's bits with the same row in the largest batch, and
-returns a `RowRule`: the fewest rows per device from which every tested batch agrees (`min_rows`, at least the
-platform's `DEFAULT_MIN_ROWS`), or, when no such count exists up to `MAX_MIN_ROWS`, that invariance cannot be
-promised here. The reductions within a row that the model and the decode attention's XLA path do are summed in a
-fixed order (`pallas_kernels.dispatch.pairwise_sum`), so they need no rule: XLA:CPU vectorizes a reduce by the
-number of rows it holds (a float32 RMSNorm over head_dim, and the decode softmax's sum at 2 rows against 8, gave
-other bits before that).
+A matmul's kernel is picked by its shape. On XLA:CPU (jax 0.10.2) a one-row matmul is a matrix-vector product whose
+float32 sums differ from the multi-row kernel's (AMD EPYC, AVX2: batch 1 differs, 2 to 128 agree); on an Intel Xeon
+with AVX-512 (with AMX too), in bfloat16, batches 1 and 2 differ and 3 on agree; on GPUs cuBLAS picks kernels and
+split-K by the row count too. So the rule is measured, not assumed: `probe_shapes` runs the model's own matmuls (its
+projections and LM head through `model.linear`, as the model runs them) at batches `BATCHES` on the current backend
+and dtype, on inputs whose products cancel (so that the order of a sum shows in every output, in bfloat16 too),
+compares the rows' bits with the same rows in one batch of all rows, and returns a `RowRule`: the fewest rows per
+device from which every tested batch agrees (`min_rows`, at least the platform's `DEFAULT_MIN_ROWS`), or, when no
+such count exists up to `MAX_MIN_ROWS`, that invariance cannot be promised here. The reductions within a row that
+the model and the decode attention's XLA path do are summed in a fixed order
+(`pallas_kernels.dispatch.pairwise_sum`), so they need no rule: XLA:CPU vectorizes a reduce by the number of rows it
+holds (a float32 RMSNorm over head_dim, and the decode softmax's sum at 2 rows against 8, gave other bits before
+that).
 
 `generate`, the continuous engine and `replay` run a batch of fewer rows than `min_rows` beside copies of its first
 row (per device, on a data mesh), so that every batch size takes the path of the larger ones. `rule_for` caches
@@ -92,17 +93,14 @@ def probe_shapes(*, hidden: int, q_dim: int, kv_dim: int, mlp: int, vocab: int, 
     dtype = jnp.dtype(dtype)
     top = max(batches)
     rng = np.random.default_rng(seed)
-
-    def normal(*shape, scale=1.0):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, dtype)
-
     differs = []
     matmuls = [(hidden, n) for n in dict.fromkeys((q_dim, kv_dim, mlp, vocab))]
     matmuls += [(k, hidden) for k in dict.fromkeys((q_dim, mlp))]
     run_linear = jax.jit(lambda x, w: linear(x, w, target))
     for k, n in matmuls:
-        x, w = normal(top, k), normal(n, k, scale=k ** -0.5)
-        differs.append((f"linear {k}->{n}", _differing(lambda m, x=x, w=w: run_linear(x[:m], w), batches)))
+        x, w = _cancelling(rng, top, k, n, dtype)
+        differs.append((f"linear {k}->{n}", _differing(lambda rows, x=x, w=w: run_linear(x[rows], w), top,
+                                                       batches)))
     bad = sorted({m for _, ms in differs for m in ms})
     min_rows = next((p for p in batches if not any(m >= p for m in bad)), top + 1)
     min_rows = max(min_rows, DEFAULT_MIN_ROWS[target.platform])
@@ -113,12 +111,34 @@ def probe_shapes(*, hidden: int, q_dim: int, kv_dim: int, mlp: int, vocab: int, 
                    dtype=dtype.name, batches=tuple(batches))
 
 
-def _differing(run, batches) -> tuple[int, ...]:
-    """The batches m whose rows differ (bitwise) from the same rows of the largest batch. `run(m)` computes the
-    operation on the first m rows, each m its own program whose inputs have m rows (as the model's do)."""
-    results = {m: np.asarray(run(m)) for m in batches}
-    top = results[max(batches)]
-    return tuple(m for m in batches if not np.array_equal(results[m].view(np.uint8), top[:m].view(np.uint8)))
+def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [rows, k], w [n, k] whose products cancel: each product u * w0 has a partner -u * w0 at another, random
+    position of k (u spread over 2^0..2^11), so every output is exactly 0 in exact arithmetic and what a float sum
+    leaves is the rounding of the order it summed in. With plain normal inputs a kernel that sums in another order
+    rarely changes a bfloat16 output (an Intel Xeon with AMX: its 2-row bfloat16 matmuls differ from 64-row ones,
+    which a probe with normal inputs missed while `generate`'s rows differed)."""
+    half = k // 2
+    u = rng.standard_normal((rows, half)) * 2.0 ** rng.integers(0, 12, (rows, half))
+    w0 = rng.standard_normal((n, half)) * k ** -0.5
+    x, w = np.zeros((rows, k)), np.zeros((n, k))
+    x[:, :half], x[:, half:2 * half] = u, -u
+    w[:, :half], w[:, half:2 * half] = w0, w0
+    order = rng.permutation(k)  # partners apart, in no block structure a kernel could mirror
+    return jnp.asarray(x[:, order], dtype), jnp.asarray(w[:, order], dtype)
+
+
+def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
+    """The batches m whose rows differ (bitwise) from the same rows of one batch of all `rows`. `run(index)`
+    computes the operation on the rows `index` selects, each m its own program whose inputs have m rows (as the
+    model's do); the first `chunks` groups of m rows are compared."""
+    whole = np.asarray(run(np.arange(rows))).view(np.uint8)
+    bad = []
+    for m in batches:
+        parts = [np.asarray(run(np.arange(i, i + m))).view(np.uint8)
+                 for i in range(0, min(rows - m, (chunks - 1) * m) + 1, m)]
+        if not np.array_equal(np.concatenate(parts), whole[:len(parts) * m]):
+            bad.append(m)
+    return tuple(bad)
 
 
 @functools.cache
