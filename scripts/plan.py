@@ -158,10 +158,9 @@ def main(argv=None) -> int:
         fail(str(e))
     out = {"model": args.model, "target": args.target, "mesh": sizes, "batch": args.batch, "method": args.method,
            "budget": args.budget, "kv_bits": kv_config(args).kv_bits.name,
-           "capacity": plan.capacity, "per_device_bytes": {
-               "weights": plan.weights, "cache": plan.cache, "temporaries": plan.temporaries,
-               "arguments": plan.arguments, "outputs": plan.outputs,
-               "total": plan.total if plan.temporaries is not None else plan.weights + plan.cache}}
+           "capacity": plan.capacity, "per_device_bytes": generate_rows(plan)}
+    if plan.temporaries is not None:  # the compiler's own figures, which the rows above split
+        out["compiled_bytes"] = {"arguments": plan.arguments, "outputs": plan.outputs, "temporaries": plan.temporaries}
     if args.device_gb:
         out["fits"] = out["per_device_bytes"]["total"] <= args.device_gb * 1e9
     if args.json:
@@ -169,11 +168,51 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.model} on mesh data={sizes['data']},model={sizes['model']}: batch {args.batch}, {args.method} "
           f"budget {args.budget} ({plan.capacity} cache slots), per device ({compiler}):")
-    for name, value in out["per_device_bytes"].items():
-        print(f"  {name:12s} {'-' if value is None else f'{value / 2**30:9.3f} GiB'}")
+    print_rows(out["per_device_bytes"], GENERATE_ROWS)
     if "fits" in out:
         print(f"  fits in {args.device_gb} GB: {'yes' if out['fits'] else 'NO'}")
     return 0
+
+
+# What each row of the tables holds; the rows add up to the total.
+GENERATE_ROWS = {"weights": "the model's weights (a program argument)",
+                 "inputs": "the program's other arguments (prompt ids, mask, keys, caps)",
+                 "cache": "the KV cache (created inside the program)",
+                 "temporaries": "the compiled program's other temporaries (activations, eviction scores)",
+                 "outputs": "the tokens and counters it returns",
+                 "total": "the peak estimate"}
+ENGINE_ROWS = {"weights": "the model's weights",
+               "cache": "the batch's KV cache",
+               "state": "the rest of the engine's loop state (token and result buffers, counters)",
+               "staged": "prefilled prompts: two rounds (the one decoding and the next)",
+               "temporaries": "the larger of the engine program's and the prefill program's temporaries",
+               "total": "the peak estimate"}
+
+
+def generate_rows(plan) -> dict:
+    """`MemoryPlan` as rows that sum to its total (the compiler's temporaries hold the cache, its arguments the
+    weights); without a compile, weights and cache only."""
+    if plan.temporaries is None:
+        return {"weights": plan.weights, "cache": plan.cache, "total": plan.weights + plan.cache}
+    return {"weights": plan.weights, "inputs": plan.arguments - plan.weights, "cache": plan.cache,
+            "temporaries": plan.temporaries - plan.cache, "outputs": plan.outputs, "total": plan.total}
+
+
+def engine_rows(plan) -> dict:
+    """`EnginePlan` as rows that sum to its total."""
+    from vase_jax.planner import STAGED_SETS
+
+    compiled = plan.engine_temporaries is not None
+    return {"weights": plan.weights, "cache": plan.cache, "state": plan.state - plan.cache,
+            "staged": STAGED_SETS * plan.staged, "temporaries": plan.temporaries if compiled else None,
+            "total": plan.total}
+
+
+def print_rows(rows: dict, meaning: dict) -> None:
+    """One line per row, in GiB."""
+    for name, value in rows.items():
+        amount = "        -    " if value is None else f"{value / 2**30:9.3f} GiB"
+        print(f"  {name:12s} {amount}  {meaning[name]}")
 
 
 def kv_config(args):
@@ -196,7 +235,7 @@ def engine_main(args, cfg, compiler: str) -> int:
     import jax.numpy as jnp
 
     from vase_jax.eviction.config import EvictionConfig
-    from vase_jax.planner import largest_batch, plan_engine, size
+    from vase_jax.planner import largest_batch, plan_engine
 
     dtype = getattr(jnp, args.dtype)
     try:
@@ -218,7 +257,8 @@ def engine_main(args, cfg, compiler: str) -> int:
            "kv_bits": config.kv_bits.name,
            "budget": None if args.method == "full" else args.budget,
            "batch": plan.rows if found is None else found.rows,
-           "plan": plan.as_dict() if plan is not None else None}
+           "plan": plan.as_dict() if plan is not None else None,
+           "per_device_bytes": engine_rows(plan) if plan is not None else None}
     if found is not None:
         out |= {"limit": found.limit, "reason": found.reason, "device_bytes": found.device_bytes,
                 "usable_bytes": found.usable, "compiled": [list(x) for x in found.compiled],
@@ -234,13 +274,10 @@ def engine_main(args, cfg, compiler: str) -> int:
           f"device ({compiler}):")
     if found is not None:
         print(f"  batch {found.rows}: {found.reason}")
-        print(f"  compiled at {', '.join(f'{r} rows ({size(t)})' for r, t in found.compiled)} in "
+        print(f"  compiled at {', '.join(f'{r} rows ({t / 2**30:.3f} GiB)' for r, t in found.compiled)} in "
               f"{found.compile_s:.0f} s")
     print(f"  at {plan.rows} rows, queue {plan.queue}:")
-    for name in ("weights", "state", "cache", "staged", "engine_temporaries", "stage_temporaries", "total"):
-        value = plan.as_dict()[name]
-        print(f"  {name:18s} {'-' if value is None else size(value)}{'  (part of state)' if name == 'cache' else ''}"
-              f"{'  (x2: this round and the next)' if name == 'staged' else ''}")
+    print_rows(engine_rows(plan), ENGINE_ROWS)
     if "fits" in out:
         print(f"  fits in {args.device_gb} GB: {'yes' if out['fits'] else 'NO'}")
     return 0 if out["batch"] > 0 else 1

@@ -152,4 +152,5 @@ def test_plan_script_plans_with_the_targets_compiler(target, capsys):
                       "--budget", "256", "--prompt", "64", "--max-new-tokens", "1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     per_device = out["per_device_bytes"]
-    assert out["target"] == target and per_device["temporaries"] >= per_device["cache"] > 0
+    assert out["target"] == target and out["compiled_bytes"]["temporaries"] >= per_device["cache"] > 0
+    assert sum(v for k, v in per_device.items() if k != "total") == per_device["total"]

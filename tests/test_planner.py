@@ -151,9 +151,14 @@ def test_plan_script_batch_auto(plan_script, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["program"], out["batch"], out["limit"]) == ("engine", 16, "cap")
     assert out["reason"].startswith("capped at 16 rows") and out["plan"]["total"] <= 1e9
-    assert plan_script.main([*CLI, "--batch", "8", "--engine", "--no-compile"]) == 0
+    rows = out["per_device_bytes"]  # the table's rows add up to the plan's total
+    assert rows["cache"] > 0 and rows["state"] > 0 and rows["temporaries"] > 0
+    assert sum(v for k, v in rows.items() if k != "total") == rows["total"] == out["plan"]["total"]
+    assert plan_script.main([*CLI, "--batch", "8", "--engine"]) == 0
     text = capsys.readouterr().out
     assert "continuous engine" in text and "staged" in text
+    gib = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split()[2:3] == ["GiB"]}
+    assert set(gib) == {"weights", "cache", "state", "staged", "temporaries", "total"}  # one unit
 
 
 @pytest.mark.parametrize("args, needle", [
