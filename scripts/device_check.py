@@ -11,7 +11,7 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
   1. tests    the compiled kernel tests: tests/test_kernels.py and tests/test_kernels_generate.py without the
               interpret-mode classes (the kernels of this platform, compiled, against their references; `generate`
               with the kernels against the XLA path's greedy tokens)
-  1b. invariance  issue 42: `vase_jax.invariance`'s rule on the device (Qwen3-8B's matmul widths, bf16) and a
+  1b. invariance  batch invariance: `vase_jax.invariance`'s rule on the device (Qwen3-8B's matmul widths, bf16) and a
               row's greedy tokens alone and in batches of 16 and 128 (Qwen3-0.6B's widths, 2 layers, bf16; full and
               vase_dkv@128): identical or not; one call's time at 1 and 128 rows with batch invariance on and off
   2. sweep    the Triton decode kernel's launch parameters (`bench_kernels.sweep_decode`) on Qwen3-14B's and 8B's
@@ -33,7 +33,7 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
               eviction: N + B/2 slots on average) plus the amortized eviction (one event per B steps), next to the
               bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth); with the platform's
               layer loop, and vase_dkv at 16k once more with the other loop; and after each `full` figure the same
-              step on a K4V4 mixed-precision cache (issue 27: a quarter of the capacity in 16 bits, the rest
+              step on a K4V4 mixed-precision cache (its default: a quarter of the capacity in 16 bits, the rest
               quantized; `bench.filled_tiered_cache`), its step time against the 16-bit cache's
   7. lowering `generate` lowered on the device, and lowered for the device's platform by a CPU-only process
               (JAX_PLATFORMS=cpu, `lower_generate(platforms=...)`): any difference is reported
@@ -41,15 +41,14 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
               platform's kernel, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
   9. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape, batch 16
 
-With the default budget (470 s) phases 1-4 fit (issue 25's figures); run the others with `--skip
-tests,sweep,workload,events` in another lease (issue 27's figure: `--skip tests,sweep,workload,events,memory`, the
-decode phase first).
+With the default budget (470 s) phases 1-4 fit; run the others with `--skip tests,sweep,workload,events` in
+another lease (for the K4V4 step first: `--skip tests,sweep,workload,events,memory`).
 
 Targets (benchmark goals, not pass/fail of this script), reported in the table: the decode kernel at >= 70% of the
 read bandwidth at batch 16 x 4k-16k slots and at batch 128 x 2k slots; eviction events <= 3% of the decode time
 between them (vase_dkv, vase_attnv); the AIME25 protocol's projected wall time for vase_dkv@2048 <= 30 minutes
 (full's beside it); the vase_dkv@2048 decode step at 16k at >= 0.75 of its bytes bound; vase_dkv vs full decode
-tokens/s at 16k >= 2.3x; the full K4V4 decode step at 16k <= 0.6x of the 16-bit cache's (issue 27); device peak
+tokens/s at 16k >= 2.3x; the full K4V4 decode step at 16k <= 0.6x of the 16-bit cache's; device peak
 <= weights + cache + 2 GiB; the device's lowering equals the CPU host's.
 
 Each phase has a time budget (`--budget-s` in all); a phase that runs out is stopped and reported as such, and the
@@ -148,7 +147,7 @@ def decode_benchmark(
 
     Returns (and writes to `json_path` after every figure) dict(meta=..., rows=[...]); a row per (method, length)
     with step_ms, evict_ms (eviction methods), tokens_per_s, bound_tokens_per_s, or `skipped` past the deadline.
-    `kv_bits`: after each `full` row, the same step on a mixed-precision cache of each setting (issue 27: its
+    `kv_bits`: after each `full` row, the same step on a mixed-precision cache of each setting (its
     default protection, a quarter of the capacity in 16 bits), a row "full K4V4" with `x_bf16_step`.
     """
     import jax
@@ -409,8 +408,8 @@ def memory_peak(*, model: str = "qwen3-8b", layers: int | None = None, dtype: st
 def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b", layers: int = 2,
                      batches=(1, 16, 128), new_tokens: int = 256, deadline: float | None = None,
                      json_path: str | None = None) -> dict:
-    """Issue 42 on this device: the probe's `RowRule` for `probe_model`'s widths in bf16 (and its seconds), then a
-    random bf16 model of `model`'s widths: row 0's greedy tokens in batches of `batches` rows (full and
+    """Batch invariance on this device: the probe's `RowRule` for `probe_model`'s widths in bf16 (and its seconds),
+    then a random bf16 model of `model`'s widths: row 0's greedy tokens in batches of `batches` rows (full and
     vase_dkv@128, B = 32), each compared with the lone row's; one call's wall time at 1 row and at the largest
     batch with `batch_invariant` on and off (the padding's cost; the fixed splits')."""
     import jax
@@ -506,7 +505,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"Tests: `{tests['summary']}`"]
     invariance = report["phases"].get("invariance", {}).get("results")
     if invariance:
-        lines += ["", "Batch invariance (issue 42): " + invariance.get("probe", {}).get("describe", "no probe"), "",
+        lines += ["", "Batch invariance: " + invariance.get("probe", {}).get("describe", "no probe"), "",
                   "| row 0 of a batch of | first step differing from the lone row's |", "|---|---|"]
         for label, row in invariance.get("rows", {}).items():
             lines.append(f"| {label} | {'none' if row['identical'] else row['first_difference']} |")
@@ -710,7 +709,7 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
         phase = _run(cmd, cap)
         summary = next((line for line in reversed(phase["tail"]) if " passed" in line or " failed" in line), None)
         return dict(phase, status="passed" if phase["rc"] == 0 else _status(phase), summary=summary)
-    if name == "invariance":  # issue 42: the probe's rule and a row's tokens in batches of 1, 16 and 128
+    if name == "invariance":  # the probe's rule and a row's tokens in batches of 1, 16 and 128
         path = os.path.join(out, "invariance.json")
         phase = _run(_child("invariance", path, cap), cap)
         phase = _results(dict(phase, status=_status(phase)), path)

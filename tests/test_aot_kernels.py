@@ -9,7 +9,7 @@ that does not divide the blocks, and a block mask. The compiled program must hol
 slice of the stacked cache. Launch parameters come from the table through the abstract H200 that
 `dispatch.lowering_target` installs (the device kind the kernel sees while tracing).
 
-The mixed-precision cache's kernels (issue 27) as well: the quantized tier's partials (`quant_decode_partials`,
+The mixed-precision cache's kernels as well: the quantized tier's partials (`quant_decode_partials`,
 K8V8, K8V4 and K4V4 at head_dim 128, GQA group 4, with and without splits) and the 16-bit tier's
 (`decode_attention_partials`) for the H200, and their Mosaic twins (`quant_decode_partials_tpu`,
 `decode_attention_partials_tpu`) for a TPU v5p (libtpu: `pip install "jax[tpu]==<jax>"`), each over a stacked

@@ -449,9 +449,10 @@ def test_problem_keys_are_stable_and_distinct():
 
 @pytest.mark.slow
 def test_static_and_continuous_records_identical_in_bfloat16(work):
-    """Issue 42's reproduction, on a bf16 model with the Qwen3 tokenizer: the static scheduler (a problem's samples
-    per generate call: batches of 2) and the continuous engine on 3 rows write the same tokens and text for every
-    sample, with and without eviction (float32: `test_same_records_under_both_schedulers_and_any_batch_size`)."""
+    """A batch-invariance failure reproduced, on a bf16 model with the Qwen3 tokenizer: the static scheduler (a
+    problem's samples per generate call: batches of 2) and the continuous engine on 3 rows write the same tokens and
+    text for every sample, with and without eviction
+    (float32: `test_same_records_under_both_schedulers_and_any_batch_size`)."""
     runs = {}
     for scheduler, rows in (("static", "2"), ("continuous", "3")):
         out = work["root"] / f"bf16_{scheduler}"

@@ -1,5 +1,5 @@
 """vase_jax.kvquant: packing is the identity, quantization is HQQ's round-to-nearest within half a step, the
-bytes per token meet issue 27's sizes, and bad settings are refused."""
+bytes per token meet the sizes DESIGN.md gives, and bad settings are refused."""
 
 from __future__ import annotations
 

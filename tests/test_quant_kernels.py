@@ -1,4 +1,4 @@
-"""Decode-attention kernels of the mixed-precision cache (issue 27): partials (acc, m, l) of the quantized tier
+"""Decode-attention kernels of the mixed-precision cache: partials (acc, m, l) of the quantized tier
 (`quant_decode_partials`, Triton; `quant_decode_partials_tpu`, Mosaic) against the XLA reference
 (`vase_jax.quant_attention.quantized_partials`), partials of the 16-bit tier against
 `decode_attention_partials_reference`, and the two tiers merged by log-sum-exp against decode attention over the

@@ -385,7 +385,7 @@ def to_hf(model: Qwen3, torch_dtype=None):
 
 
 # ---- the AIME25 protocol on random weights: measured windows, projected whole ----------------------------------
-# The paper's AIME25 protocol [spec: ../shared/spec/eviction.md, "Samples per problem R"]: 30 problems x R = 16
+# The paper's AIME25 protocol (its "samples per problem R"): 30 problems x R = 16
 # samples, at most 32768 tokens per sample in all (prompt + output), Qwen3's sampling (temperature 0.6, top-p 0.95).
 AIME25 = {"samples": 480, "prompt_len": 256, "total_tokens": 32768, "median": 12000, "sigma": 0.5}
 # The spec gives no per-sample output lengths for AIME25. A log-normal with median 12k and sigma 0.5 (our choice),
