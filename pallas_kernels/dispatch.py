@@ -100,7 +100,10 @@ def per_device(fn: Callable, in_specs: tuple, out_specs: Any) -> Callable:
     def keep(spec):
         return jax.sharding.PartitionSpec(*(a if a in names else None for a in spec))
 
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(keep(s) for s in in_specs), out_specs=keep(out_specs),
+    def keep_all(specs):  # a spec, or a pytree of them (a function of several outputs)
+        return jax.tree.map(keep, specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=keep_all(tuple(in_specs)), out_specs=keep_all(out_specs),
                          check_vma=False)
 
 

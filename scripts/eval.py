@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--scheduler continuous runs on one device; with --mesh or several processes use "
                                  "--scheduler static (the same tokens)")
             cfg = dataclasses.replace(cfg, scheduler="static")
-            if any(kv != ev.BF16 for kv in cfg.kv_bits):
-                raise ValueError(f"--kv-bits {','.join(cfg.kv_bits)}: a mixed-precision cache runs on one device "
-                                 "(not with --mesh or several processes yet)")
+            if multi and any(kv != ev.BF16 for kv in cfg.kv_bits):
+                raise ValueError(f"--kv-bits {','.join(cfg.kv_bits)}: a mixed-precision cache runs on one process "
+                                 "(on a --mesh of its devices too), not over several processes yet")
         # only the writer (process 0) reads and writes the records; the others follow its store (runner.run)
         store = ev.RecordStore(out / "records.jsonl" if writer else os.devnull, warn=warn)
     except (ValueError, OSError) as e:

@@ -167,6 +167,30 @@ def test_generate_on_meshes_matches_one_device(method):
 
 
 @pytest.mark.slow
+def test_mixed_precision_cache_on_a_mesh_matches_one_device():
+    """A K4V4 cache on a mesh of rows and heads (data=2, model=2) gives the tokens and evictions of one device:
+    both tiers of a row and head live on one device, the ticks and the evictions run per device, and the two
+    tiers' attention partials (the 16-bit tier's through `pallas_kernels.per_device`) merge there."""
+    result = run_devices("""
+        rows = []
+        for method, greedy in (("full", True), ("vase_attnv", False)):
+            kv = config(greedy, key_bits=4, value_bits=4)
+            ref = vj.generate(model, ids, mask, key=jax.random.key(3), config=kv, eviction=eviction(method))
+            out = vj.generate(shard_model(model, make_mesh(2, 2)), ids, mask, key=jax.random.key(3), config=kv,
+                              eviction=eviction(method))
+            rows.append(dict(method=method, evictions=int(out.evictions), ref_evictions=int(ref.evictions),
+                             same=[int(np.argmin(np.append(a == b, False)))
+                                   for a, b in zip(np.asarray(out.tokens), np.asarray(ref.tokens))]))
+        print(json.dumps(rows))
+    """, devices=4)
+    for row in result:
+        assert row["same"] == [40] * 8, row  # the first differing step per row (40: none)
+        assert row["evictions"] == row["ref_evictions"]
+        if row["method"] != "full":
+            assert row["evictions"] >= 3, row
+
+
+@pytest.mark.slow
 def test_mesh_hlo_keeps_eviction_local_and_bad_input():
     """Compiled on a (2, 4) mesh: no all-gather or all-to-all of slot-sized data in any loop (decode steps and the
     eviction branch); bad meshes fail with a clear error before compiling."""

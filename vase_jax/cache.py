@@ -142,6 +142,11 @@ class KVCache:
         return self.replace(k=from_bits(self.k, dtype), v=from_bits(self.v, dtype),
                             queries=from_bits(self.queries, dtype))
 
+    def axes(self) -> dict[str, Any]:
+        """Field name -> the logical names of its axes (a tuple per array; a pytree of them for a nested field),
+        from which `sharding.cache_specs` shards the cache; `state` arrays have `STATE_AXES`."""
+        return CACHE_AXES
+
     # ---- the cache interface: `tiers.TieredCache` has the same methods, and the model, the decode loop, the
     # eviction framework and the continuous engine call only these (none of them asks which kind it holds) -------
     def start_prompt(self, token_mask: jax.Array) -> KVCache:

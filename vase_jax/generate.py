@@ -350,9 +350,6 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
     row_ids = jnp.asarray(row_ids, jnp.int32)
-    if mesh is not None and config.kv_bits.quantizes:
-        raise ValueError(f"GenerateConfig.key_bits={config.key_bits}, value_bits={config.value_bits}: the "
-                         "mixed-precision cache runs on one device (not on a mesh yet); use 16 and 16 on a mesh")
     if mesh is not None:  # rows over `data` (checked before anything compiles)
         check_mesh(model.cfg, mesh, b)
         rows = jax.sharding.NamedSharding(mesh, spec_for(("batch", "seq"), mesh))

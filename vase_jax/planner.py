@@ -74,8 +74,6 @@ def plan_memory(cfg: Qwen3Config, mesh: jax.sharding.Mesh, batch: int, eviction:
     config = dataclasses.replace(config or GenerateConfig(), max_new_tokens=max_new_tokens,
                                  platform=target.platform).validate()
     t = config.bucket(prompt_len)
-    if config.kv_bits.quantizes and mesh.size > 1:  # `generate` refuses it on a mesh
-        raise ValueError("a mixed-precision cache runs on one device; plan it with --mesh data=1,model=1")
     capacity = cache_layout(cfg, config, eviction, t)
     specs = param_specs(cfg, mesh)
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

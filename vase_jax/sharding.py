@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from vase_jax.cache import CACHE_AXES, STATE_AXES
+from vase_jax.cache import STATE_AXES
 from vase_jax.config import Qwen3Config, param_axes
 
 MESH_AXES = ("data", "model")
@@ -136,12 +136,19 @@ def shard_model(model, mesh: Mesh):
 
 
 def cache_specs(cache, mesh: Mesh | None = None):
-    """A pytree like `cache` (a `KVCache`, of arrays or `ShapeDtypeStruct`s) of PartitionSpecs.
+    """A pytree like `cache` (a `KVCache` or `TieredCache`, of arrays or `ShapeDtypeStruct`s) of PartitionSpecs.
 
-    Derived from the axis names, not from a list of fields: a field named in `CACHE_AXES` gets the rule of its
-    names, every `state` array those of `STATE_AXES`, and any other field (scalar counters, or per-row fields a
-    cache may add without naming their axes) is replicated.
+    Derived from the axis names the cache gives (`cache.axes()`), not from a list of fields: a named array gets the
+    rule of its names, every `state` array those of `STATE_AXES`, and any other array (scalar counters, or per-row
+    fields a cache may add without naming their axes) is replicated.
     """
+    axes = cache.axes()
+
+    def spec(value, names):
+        if getattr(value, "ndim", None) == len(names):
+            return spec_for(names, mesh)
+        return PartitionSpec()
+
     fields = {}
     for field in dataclasses.fields(cache):
         name, value = field.name, getattr(cache, field.name)
@@ -149,8 +156,10 @@ def cache_specs(cache, mesh: Mesh | None = None):
             continue
         if name == "state":
             fields[name] = {k: spec_for(STATE_AXES, mesh) for k in value}
-        elif name in CACHE_AXES and getattr(value, "ndim", None) == len(CACHE_AXES[name]):
-            fields[name] = spec_for(CACHE_AXES[name], mesh)
+        elif name in axes and isinstance(axes[name], tuple):
+            fields[name] = spec(value, axes[name])
+        elif name in axes:  # a nested field: its pytree of axis names
+            fields[name] = jax.tree.map(spec, value, axes[name])
         elif hasattr(value, "shape"):
             fields[name] = PartitionSpec()
     return cache.replace(**fields)

@@ -49,6 +49,7 @@ from flax import struct
 from pallas_kernels import get_decode_partials, get_layout_pin, get_quant_decode_partials, select
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
+    CACHE_AXES,
     KVCache,
     SlotView,
     apply_state,
@@ -185,6 +186,18 @@ class TieredCache(KVCache):
     qlength: jax.Array  # [batch] int32: quantized slots in use
     value_range: jax.Array  # [layers, batch, kv_heads, virtual slots] f32: Range(v) at write
     layout: TierLayout = struct.field(pytree_node=False)
+
+    def axes(self) -> dict:
+        """`KVCache.axes` and the quantized tier's: per (layer, row, kv head) like the 16-bit tier, so that a mesh
+        splits both tiers of a row and head onto the same device."""
+        lead = ("layers", "batch", "kv_heads")
+
+        def quantized(x: Quantized) -> Quantized:  # codes [.., slots, bytes]; scale, low [.., groups, slots]
+            return x.replace(codes=lead + ("slots", "bytes"), scale=lead + ("groups", "slots"),
+                             low=lead + ("groups", "slots"))
+
+        return CACHE_AXES | {"kq": quantized(self.kq), "vq": quantized(self.vq), "qpos": lead + ("slots",),
+                             "qlength": ("batch",), "value_range": lead + ("slots",)}
 
     def start_prompt(self, token_mask: jax.Array) -> TieredCache:
         return start_prompt(self, token_mask)
