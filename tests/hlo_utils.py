@@ -54,7 +54,7 @@ def per_step_copies(hlo: str, shape_filter, follow_branches: bool = False, ticks
 
     With `follow_branches=False`, computations reached only through a `conditional`, or through the eviction's loop
     over layers (named scope `eviction`, which runs once every `buffer` steps), are not counted as per-step work.
-    `ticks`: named scopes (say "/retier/") of further loops whose bodies run only at a tick (zero times at the other
+    `ticks`: named scopes (say "/flush/") of further loops whose bodies run only at a tick (zero times at the other
     steps), not counted either way.
     """
     return _per_step(hlo, _COPY, shape_filter, follow_branches, ticks)

@@ -87,8 +87,10 @@ def test_v5p_mixed_precision_decode_loop_copies_no_stack_per_step():
     out in more than one way): no instruction run at every decode step copies a stack of the cache. The quantized
     tier stores its scales group-major (slots on lanes) and the ticks' loops pin its stacks to the kernels' layout
     (`tiers.pinned`); before, XLA copied 16 whole stacks around those loops at every step (docs/BENCHMARKS.md). The
-    ticks' own loops over layers (named scope "retier", run at a tick) relayout the layer they read inside their
-    fusions, and the prefill's loop once per call; those are not per-step work.
+    ticks' own loops over layers (named scopes "flush" and "eviction", run at a tick, zero times at other steps)
+    and the prefill's loop (once per call) are not per-step work. The eviction's loop body does copy the 4-bit code
+    stacks (4 whole-stack copies per layer on v5p, as the tick loop did before the cache interface): a cost per
+    eviction, not per step.
 
     Batch 8, as many rows as kv heads: there XLA:TPU also carried the per-slot arrays (`pos`, `qpos`,
     `value_range`) with rows and heads swapped and copied them at every step, until the pins covered them too (at
@@ -106,7 +108,7 @@ def test_v5p_mixed_precision_decode_loop_copies_no_stack_per_step():
                                             kv_bits="K4V4")
     lead = (CFG.num_layers, batch, CFG.num_kv_heads)
     copies = per_step_copies(compiled.as_text(), lambda dims: dims[:3] == lead, follow_branches=True,
-                             ticks=("/retier/",))
+                             ticks=("/flush/", "/eviction/"))
     assert copies == [], "\n".join(copies[:5])
     assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
     print(f"v5p K4V4: temporaries {report.temporaries / 2**30:.3f} GiB, cache {report.cache / 2**30:.3f} GiB")

@@ -637,7 +637,7 @@ def flush(cache: TieredCache, rows: jax.Array, attention_impl: str = "auto") -> 
         new, count = _flush_layer(pinned(carry[0], attention_impl), layer, rows, newest)
         return pinned(new, attention_impl), count
 
-    with jax.named_scope("retier"):
+    with jax.named_scope("flush"):
         # the flush's count comes out of the loop (read with the layer it rewrites: reading the old cache after
         # the loop would keep the old `pos` stack alive, a copy of it per tick)
         new, fresh_count = jax.lax.fori_loop(0, jnp.where(jnp.any(rows), cache.num_layers, 0), flush_layer,
