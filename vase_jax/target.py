@@ -33,6 +33,9 @@ Why, on XLA:CPU (docs/DESIGN.md has the measurements):
 - A dot with a 16-bit result has its operands converted to float32 first (a float32 copy of the weight); with a
   float32 result it reads them as they are. Elsewhere the dot writes the 16-bit result from its float32
   accumulators (`model.matmuls`: XLA:GPU's prefill then holds no float32 copy of each MLP projection).
+- XLA:CPU's library dot fusions do not beat that float32-result dot: the YNNPACK fusion
+  (`xla_cpu_experimental_ynn_fusion_type`) runs a bf16-result dot 6x faster than XLA's, but the float32-result one
+  1.6x slower, and `generate` at 0.67x (docs/BENCHMARKS.md); the options keep XLA's own dots.
 - While-loop invariant code motion hoists the table's uint16 view out of the decode loop and materializes it (a
   copy of the embedding table held for the whole call).
 
