@@ -32,9 +32,12 @@ def _median_time(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="hub id or local folder (default: random weights of --config)")
-    p.add_argument("--config", default="qwen3-0.6b", help="named config for random weights (qwen3-0.6b, ...)")
+    p.add_argument("--config", default="qwen3-0.6b",
+                   help="named config for random weights (tiny, small, qwen3-0.6b, ...)")
     p.add_argument("--layers", type=int, default=4, help="keep only this many layers of the named config")
-    p.add_argument("--methods", default="", help="comma list (default: full and every registered method)")
+    p.add_argument("--methods", default="", help="comma list (default: full and every registered method; those "
+                   "that read --calibration only when it is given)")
+    p.add_argument("--calibration", help="TriAttention's statistics file or model folder (scripts/calibrate.py)")
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--buffer", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
@@ -56,9 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
 
-    methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(METHODS)
+    def takes_calibration(m: str) -> bool:
+        return m in METHODS and "calibration" in METHODS[m].option_names
+
+    methods = [m for m in args.methods.split(",") if m] or ["full"] + sorted(
+        m for m in METHODS if args.calibration or not takes_calibration(m))
     try:
-        configs = [vj.EvictionConfig(m, budget=args.budget, buffer=args.buffer).validate() for m in methods]
+        configs = [vj.EvictionConfig(m, budget=args.budget, buffer=args.buffer,
+                                     **({"calibration": args.calibration} if takes_calibration(m) else {})).validate()
+                   for m in methods]
     except ValueError as e:
         print(f"compare_methods.py: error: {e}", file=sys.stderr)
         return 2
@@ -67,15 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         model = vj.Qwen3.from_pretrained(args.model, dtype=dtype)
         name = args.model
     else:
-        from vase_jax.config import Qwen3Config
-
-        size = args.config.lower().removeprefix("qwen3-").upper()
-        path = Path(vj.__file__).parent / "data" / "configs" / f"Qwen3-{size}.json"
-        if not path.exists():
-            print(f"compare_methods.py: error: --config {args.config!r}: no {path.name}", file=sys.stderr)
+        configs_by_name = vb.named_configs()
+        if args.config.lower() not in configs_by_name:
+            print(f"compare_methods.py: error: --config {args.config!r}; allowed: {', '.join(configs_by_name)}",
+                  file=sys.stderr)
             return 2
-        hf = json.loads(path.read_text()) | {"num_hidden_layers": args.layers}
-        model = vj.Qwen3(Qwen3Config.from_hf_config(hf), dtype=dtype, rngs=nnx.Rngs(0))
+        model = vj.Qwen3(vb.shrink(configs_by_name[args.config.lower()], layers=args.layers), dtype=dtype,
+                         rngs=nnx.Rngs(0))
         name = f"random {args.config} ({args.layers} layers)"
     cfg = model.cfg
     load_start = os.getloadavg()
