@@ -99,7 +99,8 @@ class DecodeParams:
 class DecodeTuning:
     """One table entry: the kernel's block size and compiler parameters, and the split rule's constants
     (module docstring): about `programs_per_sm` programs per SM, at most `max_splits` splits per (row, kv head), at
-    least `min_blocks_per_split` blocks per split."""
+    least `min_blocks_per_split` blocks per split. `measured`: where the row's figures come from when a sweep
+    measured them ("swept on <device kind>, jax <version>, <date>"); empty for a reasoned guess."""
 
     block_size: int = 64
     num_warps: int = 4
@@ -107,6 +108,7 @@ class DecodeTuning:
     programs_per_sm: float = 8.0
     max_splits: int = 32
     min_blocks_per_split: int = 4
+    measured: str = ""
 
     def __post_init__(self):
         check_params(block_size=self.block_size, num_warps=self.num_warps, num_stages=self.num_stages,
@@ -126,8 +128,9 @@ class DecodeTuning:
 
 GENERIC = DecodeTuning()  # any GPU or shape the table does not name: the first device run's settings
 
-# (device kind, head_dim, GQA group or None for any group, dtype name) -> entry. The H200 rows are reasoned
-# guesses, not measurements; the device check's sweep (`scripts/bench_kernels.py: sweep_decode`) measures the
+# (device kind, head_dim, GQA group or None for any group, dtype name) -> entry. A row says whether it was measured
+# (`measured`; the H200 rows below are reasoned guesses, `measured=""`); the device check's sweep
+# (`scripts/bench_kernels.py: sweep_decode`) measures the
 # candidates below on the H200 and prints the rows to paste here. Why these guesses: K and V of a 64-slot bf16
 # block are 32 KB; Triton keeps `num_stages - 1` blocks in flight per program, and with 2 stages its loop waits for
 # the block it just issued before computing on it (no overlap inside a program; the first device run's setting,

@@ -409,7 +409,8 @@ def sweep_decode(
 def _sweep_shape(shape, candidates, share, kind, sms, bandwidth, interpret, on_gpu, target_ms, repeats, log) -> dict:
     base = decode_tuning.lookup(kind, shape.head_dim, shape.group, shape.dtype)
     table = _params(shape, base, sms)
-    record = dict(shape=shape.as_dict(), table=table.as_dict(), results=[], best=None, best_vs_table=None)
+    record = dict(shape=shape.as_dict(), table=table.as_dict(), table_measured=base.measured or "no (a reasoned guess)",
+                  results=[], best=None, best_vs_table=None)
     if share <= 0:
         record["skipped"] = "budget"
         return record
@@ -448,9 +449,10 @@ def fit_entries(shape_records: Sequence[dict], kind: str, sms: int | None) -> li
         base = decode_tuning.lookup(kind, key[1], key[2], key[3])
         launch = _fit_launch(recs)
         pps = _fit_programs(recs, launch, base, sms)
-        entry = _rule(launch, pps, base)
         gain = statistics.geometric_mean([r["best_vs_table"] or 1.0 for r in recs])
-        comment = f"swept on {kind}, jax {jax.__version__}: best / table time x{1 / gain:.2f} ({len(recs)} shapes)"
+        entry = dataclasses.replace(_rule(launch, pps, base),
+                                    measured=f"swept on {kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")
+        comment = f"best / table time x{1 / gain:.2f} ({len(recs)} shapes)"
         entries.append(dict(key=list(key), entry=dataclasses.asdict(entry),
                             text=decode_tuning.entry_text(key, entry, comment)))
     return entries

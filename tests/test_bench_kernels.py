@@ -35,6 +35,9 @@ def test_sweep_runs_the_kernel_and_fits_a_row():
     assert sources == ["table", "given", "given"]
     assert all(r["ms"] > 0 and r["bytes"] > 0 and 0 < r["fraction_of_read_bw"] for r in shape["results"])
     assert shape["best"] in shape["results"] and shape["best_vs_table"] >= 1.0
+    s = bench_kernels.DecodeShape.of(TINY)
+    base = decode_tuning.lookup(decode_tuning.DEFAULT_DEVICE_KIND, s.head_dim, s.group, s.dtype)
+    assert shape["table_measured"] == (base.measured or "no (a reasoned guess)")
     rows = _rows(out["table_text"])
     assert list(rows) == [("NVIDIA H200", 16, 2, "float32")]
     best = DecodeParams(**shape["best"]["params"])
@@ -67,6 +70,17 @@ def test_rows_are_fitted_from_the_timings():
     assert (tuned.block_size, tuned.num_warps, tuned.num_stages) == (64, 4, 3)
     assert tuned.splits_for(16, 8, 4096, 132) == 8 and tuned.splits_for(128, 8, 4096, 132) == 1
     assert _rows(entry["text"])[("NVIDIA H200", 128, 5, "bfloat16")] == tuned
+    assert tuned.measured.startswith("swept on NVIDIA H200, jax ")  # a fitted row says it was measured, and where
+
+
+def test_every_table_row_says_whether_it_was_measured():
+    """A row is a reasoned guess (`measured` empty) or names the sweep that measured it; the sweep's record says
+    which of the two the row it compared against is."""
+    for key, entry in decode_tuning.TABLE.items():
+        assert isinstance(entry.measured, str), key
+        assert entry.measured == "" or entry.measured.startswith("swept on "), (key, entry.measured)
+    row = decode_tuning.entry_text(("X", 128, None, "bfloat16"), decode_tuning.DecodeTuning(measured="swept on X"))
+    assert "measured='swept on X'" in row
 
 
 def test_shapes_are_checked():
