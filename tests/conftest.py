@@ -60,6 +60,21 @@ def save_tiny_checkpoint(folder, seed: int = 0, dtype: str = "float32", init_std
     return folder, hf
 
 
+def load_script(name: str, register: bool = False):
+    """scripts/<name>.py imported as a module, to call its `main(argv)` in-process. `register`: also put it in
+    `sys.modules` (a script whose dataclasses look their module up)."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join(root, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def tiny_untied(tmp_path_factory):
     """2 layers, 4 query / 2 kv heads (GQA group 2), untied head."""

@@ -3,10 +3,8 @@ selection, and the scripts/analyze.py smoke run on the tiny random model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +13,6 @@ import pytest
 
 from vase_jax.analysis import PAPER_CONFIGS, QuantConfig, hqq_quantize, pearson, rtn_quantize, token_mse, token_range
 from vase_jax.analysis.values import Accumulator, Moments, value_rows
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def numpy_hqq(x, bits, group, optimize=True, iters=20, p=0.7, beta=10.0):
@@ -158,9 +154,9 @@ def test_accumulator_summary_from_known_values():
 
 @pytest.mark.slow
 def test_analyze_random_model_smoke_run(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("analyze_script", ROOT / "scripts" / "analyze.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from conftest import load_script
+
+    script = load_script("analyze")
     out = tmp_path / "analysis"
     rc = script.main(["--random-model", "tiny", "--limit", "2", "--max-new-tokens", "8", "--dtype", "float32",
                       "--out", str(out)])

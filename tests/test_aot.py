@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
-import os
 
 import pytest
 
@@ -146,10 +144,9 @@ def test_plan_script_plans_with_the_targets_compiler(target, capsys):
     reason = aot.missing(target)
     if reason:
         pytest.skip(reason)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(root, "scripts", "plan.py"))
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
+    from conftest import load_script
+
+    plan = load_script("plan")
     assert plan.main(["--model", "small", "--target", target, "--mesh", "data=2,model=1", "--batch", "2",
                       "--budget", "256", "--prompt", "64", "--max-new-tokens", "1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

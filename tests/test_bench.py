@@ -4,7 +4,6 @@ independent references. No timing assertions."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -95,12 +94,11 @@ def test_smoke_schedule_and_cache_bytes(smoke):
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    from conftest import load_script
+
+    module = load_script("bench", register=True)  # its dataclasses look their module up
     yield module
-    del sys.modules[spec.name]
+    del sys.modules[module.__name__]
 
 
 @pytest.mark.parametrize("args, needle", [

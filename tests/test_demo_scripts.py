@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_demo_answers_a_fresh_problem_with_the_packaged_model(capsys, monkeypatch):
@@ -25,7 +15,7 @@ def test_demo_answers_a_fresh_problem_with_the_packaged_model(capsys, monkeypatc
     from vase_jax.tasks import varchain
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert _script("demo").main(["--seed", "0"]) == 0
+    assert load_script("demo").main(["--seed", "0"]) == 0
     out = capsys.readouterr().out
     chain = varchain.problem(0, split="fresh")
     assert out.startswith(chain.question + "\n")
@@ -35,7 +25,7 @@ def test_demo_answers_a_fresh_problem_with_the_packaged_model(capsys, monkeypatc
 
 def test_demo_with_a_checkpoint_folder_and_eviction(capsys, tiny_untied):
     folder, _ = tiny_untied
-    demo = _script("demo")
+    demo = load_script("demo")
     assert demo.main(["--model", str(folder), "--question", "Why?", "--method", "vase_attnv", "--budget", "16",
                       "--buffer", "8", "--max-new-tokens", "40", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
@@ -48,7 +38,7 @@ def test_demo_with_a_checkpoint_folder_and_eviction(capsys, tiny_untied):
     (["--method", "snapkv", "--budget", "0"], "budget"),
 ])
 def test_demo_bad_input_exits_2_before_loading(capsys, argv, message):
-    assert _script("demo").main(argv) == 2
+    assert load_script("demo").main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("demo.py: error:") and message in err
 
@@ -56,7 +46,7 @@ def test_demo_bad_input_exits_2_before_loading(capsys, argv, message):
 def test_compare_methods_on_the_tiny_model(tmp_path, capsys):
     """Two methods on the tiny random model: SnapKV's overlap with itself is 1, the other's is a fraction; both
     rows carry positive timings; the table and the JSON agree."""
-    cm = _script("compare_methods")
+    cm = load_script("compare_methods")
     out = tmp_path / "m"
     assert cm.main(["--config", "tiny", "--layers", "2", "--methods", "snapkv,vase_attnv", "--budget", "32",
                     "--buffer", "8", "--batch", "1", "--new-tokens", "16", "--prompt-len", "48", "--repeats", "1",
@@ -71,7 +61,7 @@ def test_compare_methods_on_the_tiny_model(tmp_path, capsys):
 
 
 def test_compare_methods_bad_input_exits_2(capsys):
-    cm = _script("compare_methods")
+    cm = load_script("compare_methods")
     assert cm.main(["--config", "nope"]) == 2
     assert "--config 'nope'; allowed: tiny, small" in capsys.readouterr().err
     assert cm.main(["--methods", "triattention"]) == 2

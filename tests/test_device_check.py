@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,10 +16,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "device_check.py")
 
 @pytest.fixture(scope="module")
 def device_check():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("device_check")
 
 
 @pytest.mark.skipif(jax.default_backend() in ("gpu", "tpu"), reason="an accelerator is present: the check would run")

@@ -8,7 +8,6 @@ keeps top-p sampling on its fast path (a flat distribution over 151936 tokens so
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -36,10 +35,9 @@ TOTAL_TOKENS = 80  # prompt + output cap: outputs are cut at 80 - prompt tokens 
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("eval_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("eval")
 
 
 @pytest.fixture(scope="module")

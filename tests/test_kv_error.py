@@ -3,9 +3,7 @@ and without protection, on the tiny random Qwen3; and scripts/analyze.py's --kv-
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,6 @@ from vase_jax.model import dense_attention
 from vase_jax.random_model import HEAD_SCALE, TINY, random_model
 from vase_jax.target import Target
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = parse_settings("K8V8g32,K4V4g32", TINY.head_dim)  # the tiny model's head_dim is 32
 N = 160  # tokens of the test sequence
 
@@ -129,10 +126,9 @@ def test_protection_removes_most_of_the_error_of_a_planted_large_range_channel(q
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("analyze_script", ROOT / "scripts" / "analyze.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("analyze")
 
 
 def test_analyze_kv_error_option_writes_the_table(script, tmp_path, capsys):

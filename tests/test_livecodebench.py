@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.resources
-import importlib.util
 import json
 import pickle
 import re
@@ -21,7 +20,6 @@ from vase_jax.tasks import livecodebench as lcb
 from vase_jax.tasks import load_problems
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="grading needs the Linux sandbox")
-ROOT = Path(__file__).resolve().parents[1]
 CFG = SandboxConfig(timeout=5.0, memory_bytes=512 << 20)
 
 
@@ -355,10 +353,9 @@ def test_verdicts_on_a_release_problem_and_the_first_failing_test(release):
 
 # ---- eval integration ----------------------------------------------------------------------------------------
 def _eval_script():
-    spec = importlib.util.spec_from_file_location("eval_script_lcb", ROOT / "scripts" / "eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("eval")
 
 
 def test_eval_resolves_livecodebench_inputs(release, tmp_path):

@@ -9,10 +9,8 @@ so the suite's persistent compilation cache serves the repeats.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +28,6 @@ from vase_jax.target import Target
 EV = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
 PROMPT, NEW = 16, 240
 KW = dict(target="cpu", max_new_tokens=NEW, prompt_len=PROMPT, dtype=jnp.float32)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_engine_plan_holds_the_engines_arrays():
@@ -135,10 +132,9 @@ def test_plan_engine_bad_rows_and_the_default_memory():
 
 @pytest.fixture(scope="module")
 def plan_script():
-    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(ROOT, "scripts", "plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("plan")
 
 
 CLI = ["--model", "tiny", "--target", "cpu", "--method", "vase_dkv", "--budget", "32", "--buffer", "8", "--prompt",
