@@ -88,7 +88,7 @@ WORKLOADS = {"aime25": {
     "protocol": {"model": "qwen3-14b", "dtype": "bfloat16", "methods": "vase_dkv,vase_attnv,full",
                  "budgets": [2048], "buffer": 64, "prompt_len": vb.AIME25["prompt_len"],
                  "samples": vb.AIME25["samples"]},
-    "tiny": {"model": "tiny", "methods": "vase_dkv,vase_attnv,full", "budgets": [32], "buffer": 8,
+    "tiny": {"model": "tiny-1k", "methods": "vase_dkv,vase_attnv,full", "budgets": [32], "buffer": 8,
              "prompt_len": vb.AIME25_TINY["prompt_len"], "samples": vb.AIME25_TINY["samples"], "batch": 6},
 }}
 

@@ -122,10 +122,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from vase_jax import aot
-    from vase_jax.bench import named_configs
     from vase_jax.config import Qwen3Config
     from vase_jax.eviction.config import EvictionConfig
     from vase_jax.planner import plan_memory
+    from vase_jax.random_model import named_configs
     from vase_jax.sharding import check_mesh, make_mesh
 
     named = named_configs()

@@ -23,7 +23,7 @@ import pytest
 
 import vase_jax as vj
 from vase_jax import aot
-from vase_jax.bench import named_configs
+from vase_jax.random_model import named_configs
 
 pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache"),
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]

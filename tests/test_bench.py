@@ -29,7 +29,7 @@ STAT_KEYS = {"median", "min", "max", "runs"}
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    args = ["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--output-lens", "64", "--methods",
+    args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "64", "--methods",
             "full,vase_dkv", "--budgets", "32", "--buffer", "8", "--warmup", "0", "--micro-steps", "4",
             "--compare-hf", "--hf-caches", "dynamic", "--bandwidth-mib", "16", "--out", str(out)]
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
@@ -108,7 +108,7 @@ def script():
     (["--output-lens", "6x"], "--output-lens"),
     (["--repeats", "2"], "--repeats=2"),
     (["--model", "no-such-model"], "no-such-model"),
-    (["--model", "tiny", "--layers", "0"], "--layers=0"),
+    (["--model", "tiny-1k", "--layers", "0"], "--layers=0"),
     (["--compare-hf", "--hf-caches", "paged"], "--hf-caches"),
     (["--workload", "aime25", "--seconds", "0"], "--seconds=0"),
     (["--workload", "aime25", "--spread-samples", "3"], "runs alone"),
@@ -119,7 +119,7 @@ def script():
 ])
 def test_bad_input_is_one_line_error_before_any_work(script, args, needle, capsys):
     try:
-        code = script.main(["--model", "tiny", *args] if "--model" not in args else args)
+        code = script.main(["--model", "tiny-1k", *args] if "--model" not in args else args)
     except SystemExit as e:  # argparse errors
         code = e.code
     captured = capsys.readouterr()
@@ -210,7 +210,7 @@ def test_stat_and_decode_rate():
 def test_spread_workload_static_vs_continuous(tmp_path):
     """--spread-samples: the same tokens under both schedulers (every sample runs to its drawn length), row
     utilization in (0, 1], events counted. No timing assertions."""
-    args = ["--model", "tiny", "--batch", "3", "--prompt-len", "16", "--output-lens", "48", "--methods",
+    args = ["--model", "tiny-1k", "--batch", "3", "--prompt-len", "16", "--output-lens", "48", "--methods",
             "full,vase_dkv", "--budgets", "16", "--buffer", "8", "--spread-samples", "7", "--out", str(tmp_path)]
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -233,7 +233,7 @@ def test_kv_bits_report(tmp_path):
     and the agreement with the 16-bit cache's tokens; the 16-bit row first. No timing assertions."""
     # one method (3 programs, not 6): `full`'s default protection, a quarter of the cache, is checked by
     # tests/test_tiers.py::test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache without compiling
-    args = ["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods",
+    args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods",
             "vase_attnv", "--budgets", "16", "--buffer", "8", "--kv-bits", "K8V8", "--out", str(tmp_path)]
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -63,6 +63,6 @@ def test_compare_methods_on_the_tiny_model(tmp_path, capsys):
 def test_compare_methods_bad_input_exits_2(capsys):
     cm = load_script("compare_methods")
     assert cm.main(["--config", "nope"]) == 2
-    assert "--config 'nope'; allowed: tiny, small" in capsys.readouterr().err
+    assert "--config 'nope'; allowed: tiny, tiny-1k, small" in capsys.readouterr().err
     assert cm.main(["--methods", "triattention"]) == 2
     assert "needs calibration" in capsys.readouterr().err

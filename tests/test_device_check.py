@@ -34,7 +34,7 @@ def test_exits_2_without_an_accelerator(tmp_path):
 def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
     # the decode phase's code path, tiny: no eviction and an attention-scored method (its query ring, its eviction)
     path = tmp_path / "decode.json"
-    result = device_check.decode_benchmark(model="tiny", dtype="float32", batch=2, prompt_len=8, lengths=(64,),
+    result = device_check.decode_benchmark(model="tiny-1k", dtype="float32", batch=2, prompt_len=8, lengths=(64,),
                                            methods=("full", "vase_attnv"), other_loop=("vase_attnv", "vase_dkv"),
                                            budget=32, buffer=16, micro_steps=2,
                                            repeats=3, json_path=str(path), bandwidth_mib=16)
@@ -59,7 +59,7 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
                                  fraction_of_copy_bw=0.8, bytes=1) for n in (4096, 16384)])
     # pretend these were the real lengths and methods
     result["rows"] = [dict(r, tokens=16384, method=r["method"].replace("attnv", "dkv")) for r in result["rows"]]
-    memory = device_check.memory_peak(model="tiny", dtype="float32", batch=2, prompt_len=8, budget=32, buffer=16,
+    memory = device_check.memory_peak(model="tiny-1k", dtype="float32", batch=2, prompt_len=8, budget=32, buffer=16,
                                       new_tokens=64)
     assert memory["evictions"] >= 1 and memory["peak"] is None  # CPU devices report no memory statistics
     assert memory["bound"] == memory["weights"] + memory["cache"] + (2 << 30)
@@ -143,7 +143,7 @@ def test_invariance_phase_on_cpu(device_check, tmp_path):
     """The invariance phase's code path, tiny: the probe's rule, row 0's tokens alone and in batches of
     2 and 3 (identical here), a call's time at 1 and 3 rows with invariance on and off, and its report section."""
     path = tmp_path / "invariance.json"
-    result = device_check.invariance_check(probe_model="tiny", model="tiny", layers=1, batches=(1, 2, 3),
+    result = device_check.invariance_check(probe_model="tiny-1k", model="tiny-1k", layers=1, batches=(1, 2, 3),
                                            new_tokens=16, json_path=str(path))
     assert json.loads(path.read_text()) == result
     assert result["probe"]["invariant"] and result["probe"]["min_rows"] >= 2  # CPU: a lone row runs beside a copy

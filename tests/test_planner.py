@@ -18,11 +18,12 @@ import pytest
 
 import vase_jax as vj
 from vase_jax import aot, batching, planner
-from vase_jax.bench import SMALL, TINY
 from vase_jax.cache import cache_bytes, init_cache
 from vase_jax.config import param_shapes
 from vase_jax.eviction import framework
 from vase_jax.generate import query_window
+from vase_jax.random_model import SMALL
+from vase_jax.random_model import TINY_1K as TINY
 from vase_jax.target import Target
 
 EV = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)

@@ -305,15 +305,14 @@ def test_plan_script_counts_per_device_bytes():
     """Weights and cache per device, counted here by hand from the shapes; temporaries from the compiled program."""
     import math
 
-    from vase_jax.bench import named_configs
     from vase_jax.config import param_shapes
+    from vase_jax.random_model import named_configs
 
-    proc = _plan("--model", "tiny", "--target", "cpu", "--mesh", "data=2,model=2", "--batch", "4", "--budget", "48",
-                 "--buffer", "16",
-                 "--prompt", "40", "--max-new-tokens", "256", "--json")
+    proc = _plan("--model", "tiny-1k", "--target", "cpu", "--mesh", "data=2,model=2", "--batch", "4", "--budget",
+                 "48", "--buffer", "16", "--prompt", "40", "--max-new-tokens", "256", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    cfg = named_configs()["tiny"]
+    cfg = named_configs()["tiny-1k"]
     from vase_jax.config import param_kind
 
     model_sharded = {("embedding",), ("lm_head",)} | {("layers", n) for n in ("q_proj", "k_proj", "v_proj",

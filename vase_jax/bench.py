@@ -19,7 +19,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -37,36 +36,9 @@ from vase_jax.jit import target_jit
 from vase_jax.model import Qwen3
 from vase_jax.target import Target, platform_of
 
-# A model for smoke tests (seconds to compile and run): the tiny test shape with a 1024-token vocabulary.
-TINY = dataclasses.replace(random_model.TINY, vocab_size=1024)
-# Long generations on a CPU: Qwen3's head_dim (128) and GQA group (2) but 12 MB of float32 weights, so that
-# the cache dominates the bytes a step reads after a few thousand tokens (at 8k tokens, batch 2: 67 MB).
-SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=128, tie_word_embeddings=True, max_position_embeddings=1 << 16)
-
-
-# ---- models ------------------------------------------------------------------------------------------------
-def named_configs() -> dict[str, Qwen3Config]:
-    """`tiny`, `small`, and one entry per packaged real config: `qwen3-0.6b`, `qwen3-4b`, ..."""
-    out = {"tiny": TINY, "small": SMALL}
-    for f in sorted(resources.files("vase_jax.data").joinpath("configs").iterdir()):
-        if f.name.endswith(".json"):
-            with resources.as_file(f) as path:
-                out[f.name[: -len(".json")].lower()] = Qwen3Config.from_json_file(path)
-    return out
-
-
-def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None, hidden: int | None = None,
-           intermediate: int | None = None) -> Qwen3Config:
-    """The same shape with another number of layers, vocabulary size, hidden or MLP width (heads unchanged):
-    e.g. Qwen3-4B's 36 layers and heads with widths of 256, whose compile time is that of the real model."""
-    sizes = {"layers": layers, "vocab": vocab, "hidden": hidden, "intermediate": intermediate}
-    for name, v in sizes.items():
-        if v is not None and v < 1:
-            raise ValueError(f"--{name}={v} must be >= 1")
-    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size,
-                               hidden_size=hidden or cfg.hidden_size,
-                               intermediate_size=intermediate or cfg.intermediate_size)
+# Named model shapes live in the library (`random_model.named_configs`); these names stay for the benchmarks.
+TINY, SMALL, named_configs, shrink = random_model.TINY_1K, random_model.SMALL, random_model.named_configs, \
+    random_model.shrink
 
 
 def cpu_model() -> str:

@@ -1,15 +1,18 @@
-"""Random Qwen3 models for offline smoke runs, tests and benchmarks: one definition of the tiny shape.
+"""Random Qwen3 models for offline smoke runs, tests and benchmarks: one definition of the tiny shape, and the
+named shapes (`named_configs`) that scripts and benchmarks take as `--model NAME`.
 
 `TINY` is the shape of the test fixtures (2 layers, 4 query / 2 kv heads, head_dim 32) with the real Qwen3
-vocabulary, so the packaged tokenizer's ids are valid. `random_model` draws weights with NumPy (no compile per
-parameter shape): normal with std 0.02, RMSNorm scales 1, the output head's std times `head_scale`. With std 0.02
-everywhere the next-token distribution over 151936 tokens is nearly uniform; a trained model's is peaked, as the
-one with a scaled head is (the eval smoke run uses `HEAD_SCALE`).
+vocabulary, so the packaged tokenizer's ids are valid; `TINY_1K` is the same shape with a 1024-token vocabulary
+(random prompts only: about 1% of the weights, for smoke benchmarks and memory plans in seconds). `random_model`
+draws weights with NumPy (no compile per parameter shape): normal with std 0.02, RMSNorm scales 1, the output
+head's std times `head_scale`. With std 0.02 everywhere the next-token distribution over 151936 tokens is nearly
+uniform; a trained model's is peaked, as the one with a scaled head is (the eval smoke run uses `HEAD_SCALE`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,11 @@ from vase_jax.model import Qwen3
 TINY = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0,
                    max_position_embeddings=1 << 16)
+TINY_1K = dataclasses.replace(TINY, vocab_size=1024)
+# Long generations on a CPU: Qwen3's head_dim (128) and GQA group (2) but 12 MB of float32 weights, so that
+# the cache dominates the bytes a step reads after a few thousand tokens (at 8k tokens, batch 2: 67 MB).
+SMALL = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=128, tie_word_embeddings=True, max_position_embeddings=1 << 16)
 RANDOM_MODELS = {"tiny": TINY}
 HEAD_SCALE = 50.0  # head std 1: logits of std ~8, not ~0.2, peaked like a trained model's
 
@@ -53,3 +61,26 @@ def random_model(cfg: Qwen3Config = TINY, dtype=jnp.float32, seed: int = 0, head
     if vocab_size is not None:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     return Qwen3.from_params(cfg, random_params(cfg, seed, head_scale=head_scale), dtype)
+
+
+def named_configs() -> dict[str, Qwen3Config]:
+    """`tiny`, `tiny-1k`, `small`, and one entry per packaged real config: `qwen3-0.6b`, `qwen3-4b`, ..."""
+    out = {"tiny": TINY, "tiny-1k": TINY_1K, "small": SMALL}
+    for f in sorted(resources.files("vase_jax.data").joinpath("configs").iterdir()):
+        if f.name.endswith(".json"):
+            with resources.as_file(f) as path:
+                out[f.name[: -len(".json")].lower()] = Qwen3Config.from_json_file(path)
+    return out
+
+
+def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None, hidden: int | None = None,
+           intermediate: int | None = None) -> Qwen3Config:
+    """The same shape with another number of layers, vocabulary size, hidden or MLP width (heads unchanged):
+    e.g. Qwen3-4B's 36 layers and heads with widths of 256, whose compile time is that of the real model."""
+    sizes = {"layers": layers, "vocab": vocab, "hidden": hidden, "intermediate": intermediate}
+    for name, v in sizes.items():
+        if v is not None and v < 1:
+            raise ValueError(f"--{name}={v} must be >= 1")
+    return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size,
+                               hidden_size=hidden or cfg.hidden_size,
+                               intermediate_size=intermediate or cfg.intermediate_size)
