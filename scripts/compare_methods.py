@@ -14,19 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` (not installed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     import vase_jax as vj
-    from vase_jax import bench as vb
+    from benchmarks.timing import cpu_model, load_warning, time_runs
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
+    from vase_jax.random_model import named_configs, shrink
 
     def takes_calibration(m: str) -> bool:
         return m in METHODS and "calibration" in METHODS[m].option_names
@@ -76,17 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         model = vj.Qwen3.from_pretrained(args.model, dtype=dtype)
         name = args.model
     else:
-        configs_by_name = vb.named_configs()
+        configs_by_name = named_configs()
         if args.config.lower() not in configs_by_name:
             print(f"compare_methods.py: error: --config {args.config!r}; allowed: {', '.join(configs_by_name)}",
                   file=sys.stderr)
             return 2
-        model = vj.Qwen3(vb.shrink(configs_by_name[args.config.lower()], layers=args.layers), dtype=dtype,
+        model = vj.Qwen3(shrink(configs_by_name[args.config.lower()], layers=args.layers), dtype=dtype,
                          rngs=nnx.Rngs(0))
         name = f"random {args.config} ({args.layers} layers)"
     cfg = model.cfg
     load_start = os.getloadavg()
-    warning = vb.load_warning(load_start[0])
+    warning = load_warning(load_start[0])
     if warning:
         print(f"compare_methods.py: warning: {warning}", file=sys.stderr, flush=True)
 
@@ -129,14 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         t_evict = None
         if ev.evicts:
             evict = jax.jit(lambda c, ev=ev: framework.evict(c, ev, key, row_ids))
-            jax.block_until_ready(evict(cache))
-            t_evict = 1e3 * _median_time(lambda ev_fn=evict: jax.block_until_ready(ev_fn(cache)), args.repeats)
+            t_evict = 1e3 * time_runs(lambda ev_fn=evict: ev_fn(cache), args.repeats, warmup=1).median
         run = lambda ev=ev: vj.generate(model, prompt_ids, np.ones_like(prompt_ids),  # noqa: E731
                                         key=key, config=gen, eviction=ev).tokens.block_until_ready()
         t0 = time.perf_counter()
         run()
         compile_and_run = time.perf_counter() - t0
-        t_gen = _median_time(run, args.repeats)
+        t_gen = time_runs(run, args.repeats).median
         both = ev.method in kept_by and ref_name in kept_by
         same = overlap(kept_by[ev.method], kept_by[ref_name]) if both else None
         same_evicted = overlap(kept_by[ev.method], kept_by[ref_name], evicted=True) if both else None
@@ -149,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": name, "budget": args.budget, "buffer": args.buffer, "batch": args.batch,
             "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "dtype": args.dtype, "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "cpu_model": vb.cpu_model(), "repeats": args.repeats,
+            "device": jax.devices()[0].device_kind, "cpu_model": cpu_model(), "repeats": args.repeats,
             "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in os.getloadavg()]}
     (out / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Model: {name}, {args.dtype}; N={args.budget}, B={args.buffer}, batch {args.batch}, "

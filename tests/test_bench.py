@@ -1,6 +1,6 @@
-"""scripts/bench.py: a smoke run on the tiny model (output schema, every figure positive, the replayed cache
-schedule equal to generate's), one-line errors on bad input, and the pieces of `vase_jax.bench` against
-independent references. No timing assertions."""
+"""benchmarks.bench: a smoke run on the tiny-1k model (output schema, every figure positive, the replayed cache
+schedule equal to generate's), one-line errors on bad input, and the shared pieces (`benchmarks.timing`,
+`decode_step`, `workload`) against independent references. No timing assertions."""
 
 from __future__ import annotations
 
@@ -18,11 +18,21 @@ import pytest
 from flax import nnx
 
 import vase_jax as vj
-from vase_jax import bench as vb
+from benchmarks import bench
+from benchmarks import decode_step as ds
+from benchmarks import workload as wl
+from benchmarks.timing import Stat, decode_rate
 from vase_jax.cache import init_cache
 from vase_jax.eviction import framework
+from vase_jax.random_model import SMALL, TINY_1K, shrink
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.bench ARGS` from the repository root, as the docs run it."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
 STAT_KEYS = {"median", "min", "max", "runs"}
 
 
@@ -32,7 +42,7 @@ def smoke(tmp_path_factory):
     args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "64", "--methods",
             "full,vase_dkv", "--budgets", "32", "--buffer", "8", "--warmup", "0", "--micro-steps", "4",
             "--compare-hf", "--hf-caches", "dynamic", "--bandwidth-mib", "16", "--out", str(out)]
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), out
 
@@ -47,10 +57,8 @@ def _check_stat(stat: dict, repeats: int = 3):
 def test_smoke_outputs_and_positive_figures(smoke):
     result, out = smoke
     assert {"meta", "bandwidth", "how", "runs", "hf", "segments", "summary"} <= set(result)
-    for name in ("results.md", "tokens_per_s.png", "memory.png"):
-        assert (out / name).stat().st_size > 0
-    assert (out / "tokens_per_s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert all(v > 0 for v in result["bandwidth"].values())
+    assert (out / "results.md").read_text().startswith("Command: `python -m benchmarks.bench --model tiny-1k")
+    assert set(result["bandwidth"]) == {"read", "copy"} and all(v > 0 for v in result["bandwidth"].values())
     runs = {(r["method"], r["output_len"]): r for r in result["runs"]}
     assert set(runs) == {("full", 64), ("vase_dkv", 64)}
     for r in runs.values():
@@ -76,7 +84,7 @@ def test_smoke_schedule_and_cache_bytes(smoke):
     the layout's formula: 16 tokens (left-padded to the 64 bucket; the cache holds no padding), N=32, B=8, 64 new
     tokens."""
     result, _ = smoke
-    cfg = vb.TINY
+    cfg = TINY_1K
     for r in result["runs"]:
         assert r["evictions"] == r["evictions_expected"]
         assert r["cache_length_end"] == r["cache_length_expected"]
@@ -90,15 +98,6 @@ def test_smoke_schedule_and_cache_bytes(smoke):
         assert runs[method]["capacity"] == -(-slots // align) * align
     # 63 steps: the first event when 40 real tokens are held (step 24), then one every 8 steps: 5 events
     assert runs["vase_dkv"]["evictions"] == 5 and runs["full"]["cache_length_end"] == 16 + 63
-
-
-@pytest.fixture(scope="module")
-def script():
-    from conftest import load_script
-
-    module = load_script("bench", register=True)  # its dataclasses look their module up
-    yield module
-    del sys.modules[module.__name__]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -117,9 +116,9 @@ def script():
     (["--kv-bits", "K8V8,K3V3"], "--kv-bits: key_bits=3"),
     (["--kv-bits", "K8V8", "--compare-hf"], "--kv-bits runs alone"),
 ])
-def test_bad_input_is_one_line_error_before_any_work(script, args, needle, capsys):
+def test_bad_input_is_one_line_error_before_any_work(args, needle, capsys):
     try:
-        code = script.main(["--model", "tiny-1k", *args] if "--model" not in args else args)
+        code = bench.main(["--model", "tiny-1k", *args] if "--model" not in args else args)
     except SystemExit as e:  # argparse errors
         code = e.code
     captured = capsys.readouterr()
@@ -138,16 +137,16 @@ def _param_count(cfg: vj.Qwen3Config) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [vb.TINY, vb.shrink(vb.SMALL, layers=1)], ids=["untied", "tied"])
+@pytest.mark.parametrize("cfg", [TINY_1K, shrink(SMALL, layers=1)], ids=["untied", "tied"])
 def test_weight_bytes_and_hf_export(cfg):
     import torch
 
     model = vj.Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     total, embed = _param_count(cfg)
-    assert vb.param_bytes(model) == 4 * total
+    assert ds.param_bytes(model) == 4 * total
     # an untied table is read one row per token; a tied one is the LM head, read whole
-    assert vb.weight_bytes_per_step(model) == 4 * (total - (0 if cfg.tie_word_embeddings else embed))
-    hf = vb.to_hf(model)
+    assert ds.weight_bytes_per_step(model) == 4 * (total - (0 if cfg.tie_word_embeddings else embed))
+    hf = bench.to_hf(model)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
@@ -155,10 +154,11 @@ def test_weight_bytes_and_hf_export(cfg):
 
 
 def test_roofline_sums_the_schedule():
-    """Bytes over a run: weights every step + the live slots each step attends + 2x (N + B) slots per event."""
-    model = vj.Qwen3(vb.TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    """A row's replayed cache (`row_replay`), and the bytes over a run: weights every step + the live slots each
+    step attends + 2x (N + B) slots per event."""
+    model = vj.Qwen3(TINY_1K, dtype=jnp.float32, rngs=nnx.Rngs(0))
     ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
-    sched = vb.cache_schedule(ev, prompt_tokens=16, max_new_tokens=50)
+    reads, after, triggers = ds.row_replay(ev, 16, 49)
     # length after each step: 17..40 -> evict at 40 (> 32, % 8 == 0), then 33..40 -> evict, ...
     lengths, length, events = [], 16, 0
     for _ in range(49):
@@ -166,10 +166,11 @@ def test_roofline_sums_the_schedule():
         length += 1
         if length == 40:
             length, events = 32, events + 1
-    assert sched.slots_read.tolist() == lengths and sched.events == events == 4 and sched.final_length == 33
+    assert reads.tolist() == lengths and len(triggers) == events == 4 and after[-1] == 33
+    assert triggers.tolist() == [24, 32, 40, 48]  # the steps after which the row is evicted
     per_slot = 1 * 2 * 2 * (2 * 32 * 4 + 4)  # batch 1, 2 layers, 2 kv heads
-    w = vb.weight_bytes_per_step(model)
-    roof = vb.roofline(model, ev, sched, batch=1, itemsize=4)
+    w = ds.weight_bytes_per_step(model)
+    roof = ds.roofline(model, ev, reads, len(triggers), batch=1, itemsize=4)
     total = 49 * w + sum(lengths) * per_slot + events * 2 * 40 * per_slot
     assert roof["bytes_step_start"] == w + 17 * per_slot and roof["bytes_step_end"] == w + lengths[-1] * per_slot
     assert math.isclose(roof["bytes_step_mean"], total / 49) and roof["bytes_per_eviction"] == 2 * 40 * per_slot
@@ -181,8 +182,8 @@ def test_filled_cache_is_init_cache_filled_and_donatable(dtype):
     """The same structure, dtypes and storage (bits for bf16 on CPU) as `init_cache`; `length` slots filled, the
     policy state on them; every leaf its own buffer, so that the benchmark can donate the cache."""
     state = framework.slot_state(vj.EvictionConfig("h2o", budget=8, buffer=4))
-    cache = vb.filled_cache(vb.TINY, 2, 16, 10, 4, dtype, 0, state)
-    empty = init_cache(vb.TINY, 2, 16, 4, dtype, state)
+    cache = ds.filled_cache(TINY_1K, 2, 16, 10, 4, dtype, 0, state)
+    empty = init_cache(TINY_1K, 2, 16, 4, dtype, state)
     assert jax.tree.structure(cache) == jax.tree.structure(empty)
     for x, e in zip(jax.tree.leaves(cache), jax.tree.leaves(empty), strict=True):
         assert (x.shape, x.dtype) == (e.shape, e.dtype)
@@ -196,13 +197,13 @@ def test_filled_cache_is_init_cache_filled_and_donatable(dtype):
 
 
 def test_stat_and_decode_rate():
-    s = vb.Stat.of([3.0, 1.0, 2.0])
+    s = Stat.of([3.0, 1.0, 2.0])
     assert (s.median, s.min, s.max) == (2.0, 1.0, 3.0)
-    rate = vb.decode_rate(vb.Stat.of([1.5, 2.0, 3.0]), vb.Stat.of([0.5, 0.5, 0.6]), 100)
+    rate = decode_rate(Stat.of([1.5, 2.0, 3.0]), Stat.of([0.5, 0.5, 0.6]), 100)
     assert rate.runs == (100.0, 100 / 1.5, 40.0) and rate.min == 40.0 and rate.max == 100.0
-    assert vb.decode_rate(vb.Stat.of([0.4, 2.0, 3.0]), vb.Stat.of([0.5] * 3), 100) is None
+    assert decode_rate(Stat.of([0.4, 2.0, 3.0]), Stat.of([0.5] * 3), 100) is None
     # the fastest prefill is subtracted: one slow prefill sample (a busy machine) does not cancel the figures
-    noisy = vb.decode_rate(vb.Stat.of([1.0, 1.1, 1.2]), vb.Stat.of([0.2, 0.3, 5.0]), 80)
+    noisy = decode_rate(Stat.of([1.0, 1.1, 1.2]), Stat.of([0.2, 0.3, 5.0]), 80)
     assert noisy is not None and np.allclose(noisy.runs, (100.0, 80 / 0.9, 80.0))
 
 
@@ -212,7 +213,7 @@ def test_spread_workload_static_vs_continuous(tmp_path):
     utilization in (0, 1], events counted. No timing assertions."""
     args = ["--model", "tiny-1k", "--batch", "3", "--prompt-len", "16", "--output-lens", "48", "--methods",
             "full,vase_dkv", "--budgets", "16", "--buffer", "8", "--spread-samples", "7", "--out", str(tmp_path)]
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     lengths = np.random.default_rng(0).integers(3, 49, 7)  # spread_caps(7, 48, seed 0): uniform over [L/16, L]
@@ -235,7 +236,7 @@ def test_kv_bits_report(tmp_path):
     # tests/test_tiers.py::test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache without compiling
     args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods",
             "vase_attnv", "--budgets", "16", "--buffer", "8", "--kv-bits", "K8V8", "--out", str(tmp_path)]
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["kv"]
     assert [(r["method"], r["kv_bits"], r["protected"]) for r in rows] == [
@@ -251,41 +252,39 @@ def test_kv_bits_report(tmp_path):
 
 # ---- the AIME25 workload ----------------------------------------------------------------------------------------
 def test_lognormal_lengths():
-    a = vb.lognormal_lengths(4000, median=1000, sigma=0.5, cap=3000, seed=1)
+    a = wl.lognormal_lengths(4000, median=1000, sigma=0.5, cap=3000, seed=1)
     assert a.dtype == np.int32 and a.min() >= 2 and a.max() == 3000
     assert abs(np.median(a) / 1000 - 1) < 0.05 and 0.01 < (a == 3000).mean() < 0.03  # P(z > ln 3 / 0.5) = 1.4%
-    assert (vb.lognormal_lengths(50, median=1000, sigma=0.5, cap=3000, seed=1) == a[:50]).all()
-    protocol = vb.lognormal_lengths(480, median=12000, sigma=0.5, cap=32768 - 256, seed=0)
+    assert (wl.lognormal_lengths(50, median=1000, sigma=0.5, cap=3000, seed=1) == a[:50]).all()
+    protocol = wl.lognormal_lengths(480, median=12000, sigma=0.5, cap=32768 - 256, seed=0)
     assert 5.8e6 < protocol.sum() < 7e6  # the issue's ~6M tokens per method
     with pytest.raises(ValueError, match="cap=1"):
-        vb.lognormal_lengths(3, median=10, sigma=0.5, cap=1)
+        wl.lognormal_lengths(3, median=10, sigma=0.5, cap=1)
 
 
 def test_simulated_lockstep_schedule():
     """R samples of L tokens on R rows: one round, L - 1 steps; every step reads the rows' common length; the
     events are the row's triggers (first when P + k > N and P + k = 0 mod B)."""
     ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
-    reads, after, triggers = vb.row_replay(ev, 16, 59)
-    sched = vb.cache_schedule(ev, 16, 60)
-    assert reads.tolist() == sched.slots_read.tolist() and after[-1] == sched.final_length
-    assert triggers.tolist() == [24, 32, 40, 48, 56] and len(triggers) == sched.events
-    s = vb.simulate_engine([60] * 3, 3, ev, 16)
+    reads, after, triggers = ds.row_replay(ev, 16, 59)
+    assert triggers.tolist() == [24, 32, 40, 48, 56]
+    s = wl.simulate_engine([60] * 3, 3, ev, 16)
     assert (s.rounds, s.steps, s.events, s.useful_row_steps) == (1, 59, 5, 177) and s.utilization == 1.0
     assert s.own_slot_reads == s.longest_slot_reads == 3 * int(reads.sum())
-    full = vb.simulate_engine([5, 3], 2, vj.EvictionConfig("full"), 10)
+    full = wl.simulate_engine([5, 3], 2, vj.EvictionConfig("full"), 10)
     # row 0 reads 11, 12, 13, 14; row 1 reads 11, 12, then nothing (ended: inactive, its length 0 to the attention)
     assert (full.steps, full.utilization) == (4, 6 / 8)
     assert full.own_slot_reads == (11 + 12 + 13 + 14) + (11 + 12)
     assert full.longest_slot_reads == 2 * (11 + 12 + 13 + 14)
     assert full.slot_reads("own") == full.own_slot_reads and full.slot_reads("longest") == full.longest_slot_reads
-    assert vb.attention_reads("cuda", "auto") == "own" and vb.attention_reads("cpu", "auto") == "longest"
+    assert wl.attention_reads("cuda", "auto") == "own" and wl.attention_reads("cpu", "auto") == "longest"
 
 
 def test_simulated_refills_wait_for_the_ticks():
     """Eviction: a sample admitted at step t starts at the next multiple of B; 2 rows, queue 1: a round per
     sample, and a free row with nothing staged ends the round."""
     ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
-    s = vb.simulate_engine([4, 11, 3], 2, ev, 16, queue=1)
+    s = wl.simulate_engine([4, 11, 3], 2, ev, 16, queue=1)
     # round 1: sample 0 (3 steps) on row 0 at step 0; row 1 free, more waiting -> back to the host at once.
     # round 2: sample 1 (10 steps) on row 1, waits to step 0 (0 % 8): ends at 10; sample 0 ends at 3 -> round ends.
     # round 3: sample 2 (2 steps) on row 0 at step 3 waits to step 8, ends at 10; the drain ends at 10.
@@ -296,20 +295,20 @@ def test_fit_step_model_recovers_the_seconds():
     """`full`: (steps, slot_reads) determine the seconds; eviction: past the first eviction a lockstep run's
     slot_reads is a combination of its steps and events, so the fit is one of many that reproduce the runs and
     predict a longer one."""
-    truth = vb.StepModel(round_s=0.5, step_s=2e-3, slot_s=1e-6, event_s=4e-3)
+    truth = wl.StepModel(round_s=0.5, step_s=2e-3, slot_s=1e-6, event_s=4e-3)
     full = vj.EvictionConfig("full")
-    windows = [(s, truth.seconds(s)) for s in (vb.simulate_engine([n] * 4, 4, full, 16) for n in (32, 64, 128))]
-    fit = vb.fit_step_model(0.5, windows)
+    windows = [(s, truth.seconds(s)) for s in (wl.simulate_engine([n] * 4, 4, full, 16) for n in (32, 64, 128))]
+    fit = wl.fit_step_model(0.5, windows)
     assert np.allclose([fit.step_s, fit.slot_s, fit.event_s], [2e-3, 1e-6, 0.0], rtol=1e-6)
     ev = vj.EvictionConfig("vase_dkv", budget=32, buffer=8)
-    windows = [(s, truth.seconds(s)) for s in (vb.simulate_engine([n] * 4, 4, ev, 16) for n in (32, 64, 128, 256))]
-    fit = vb.fit_step_model(0.5, windows)
-    longer = vb.simulate_engine([1024] * 4, 4, ev, 16)
+    windows = [(s, truth.seconds(s)) for s in (wl.simulate_engine([n] * 4, 4, ev, 16) for n in (32, 64, 128, 256))]
+    fit = wl.fit_step_model(0.5, windows)
+    longer = wl.simulate_engine([1024] * 4, 4, ev, 16)
     assert min(fit.step_s, fit.slot_s, fit.event_s) >= 0
     assert np.isclose(fit.seconds(longer), truth.seconds(longer), rtol=1e-6)
     # a slot term that would come out negative is left out (non-negative least squares)
     flat = [(s, 0.5 + 1e-3 * s.steps - 1e-9 * s.own_slot_reads) for s, _ in windows]
-    fit = vb.fit_step_model(0.5, flat)
+    fit = wl.fit_step_model(0.5, flat)
     assert fit.slot_s == 0 and fit.step_s > 0
 
 
@@ -318,8 +317,8 @@ def test_simulator_matches_the_engine():
     a queue smaller than the rows, and a lone row (beside its idle companion on CPU)."""
     from vase_jax import batching
 
-    model = vj.Qwen3(vb.TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    lengths = vb.lognormal_lengths(9, median=30, sigma=0.6, cap=80, seed=3)
+    model = vj.Qwen3(TINY_1K, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    lengths = wl.lognormal_lengths(9, median=30, sigma=0.6, cap=80, seed=3)
     rng = np.random.default_rng(0)
     prompts = [tuple(int(x) for x in rng.integers(0, 1024, 16)) for _ in lengths]
     config = vj.GenerateConfig(max_new_tokens=80, eos_token_ids=())
@@ -329,7 +328,7 @@ def test_simulator_matches_the_engine():
                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
         stats = batching.EngineStats()
         batching.run(model, reqs, rows=rows, config=config, eviction=ev, stats=stats, queue=queue)
-        sim = vb.simulate_engine(lengths, rows, ev, 16, queue)
+        sim = wl.simulate_engine(lengths, rows, ev, 16, queue)
         assert (sim.steps, sim.events, sim.rounds, sim.useful_row_steps) == (
             stats.steps, stats.events, stats.segments, stats.useful_row_steps), (rows, queue)
 
@@ -340,10 +339,10 @@ def test_aime25_workload_tiny(tmp_path):
     # a deadline already past: each method still measures, for the 1 s floor instead of --seconds
     args = ["--workload", "aime25", "--scale", "tiny", "--methods", "vase_dkv,full", "--seconds", "2", "--out",
             str(tmp_path), "--deadline", str(time.time() - 100)]
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
-    lengths = vb.lognormal_lengths(24, median=96, sigma=0.5, cap=240, seed=0)
+    lengths = wl.lognormal_lengths(24, median=96, sigma=0.5, cap=240, seed=0)
     assert result["meta"]["lengths"]["tokens"] == int(lengths.sum())
     assert [r["label"] for r in result["methods"]] == ["vase_dkv@32", "full"]
     for r in result["methods"]:
@@ -357,7 +356,7 @@ def test_aime25_workload_tiny(tmp_path):
         assert m["round_s"] > 0 and min(m["step_s"], m["slot_s"], m["event_s"]) >= 0
         assert r["peak_bytes"] > 0
         assert m["reads"] == p["reads"] == result["meta"]["attention_reads"] == "longest"  # the XLA path on CPU
-        expected = vb.StepModel(**m).seconds(vb.simulate_engine(lengths, 6, vj.EvictionConfig(
+        expected = wl.StepModel(**m).seconds(wl.simulate_engine(lengths, 6, vj.EvictionConfig(
             r["method"], budget=32, buffer=8) if r["budget"] else vj.EvictionConfig("full"), 16))
         assert np.isclose(p["seconds"], expected) and p["seconds_if_own"] > 0
     text = (tmp_path / "results.md").read_text()

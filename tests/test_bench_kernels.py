@@ -1,20 +1,16 @@
-"""scripts/bench_kernels.py on CPU: the decode sweep's code path (Triton kernel in interpret mode, a tiny shape),
-its table-row fitting on made-up timings, and the benchmark table's JSON (what scripts/device_check.py reads).
-No timing assertions."""
+"""benchmarks.kernels on CPU: the decode sweep's code path (Triton kernel in interpret mode, a tiny shape), its
+table-row fitting on made-up timings, and the benchmark table's JSON (what benchmarks.device_check reads). No timing
+assertions."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks import kernels
 from pallas_kernels import decode_tuning
 from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_kernels  # noqa: E402
 
 TINY = (2, 1, 2, 16, 64, "float32")  # batch, kv_heads, group, head_dim, slots, dtype
 
@@ -26,7 +22,7 @@ def _rows(text: str) -> dict:
 
 def test_sweep_runs_the_kernel_and_fits_a_row():
     candidates = [DecodeParams(16, 2, 4, 2), DecodeParams(32, 1, 4, 3)]
-    out = bench_kernels.sweep_decode([TINY], candidates, 60.0, read_bandwidth_bytes_s=1e10, log=lambda _: None)
+    out = kernels.sweep_decode([TINY], candidates, 60.0, read_bandwidth_bytes_s=1e10, log=lambda _: None)
     json.dumps(out)  # JSON-able
     assert out["interpret"] and out["device_kind"] == decode_tuning.DEFAULT_DEVICE_KIND
     (shape,) = out["shapes"]
@@ -35,7 +31,7 @@ def test_sweep_runs_the_kernel_and_fits_a_row():
     assert sources == ["table", "given", "given"]
     assert all(r["ms"] > 0 and r["bytes"] > 0 and 0 < r["fraction_of_read_bw"] for r in shape["results"])
     assert shape["best"] in shape["results"] and shape["best_vs_table"] >= 1.0
-    s = bench_kernels.DecodeShape.of(TINY)
+    s = kernels.DecodeShape.of(TINY)
     base = decode_tuning.lookup(decode_tuning.DEFAULT_DEVICE_KIND, s.head_dim, s.group, s.dtype)
     assert shape["table_measured"] == (base.measured or "no (a reasoned guess)")
     rows = _rows(out["table_text"])
@@ -46,7 +42,7 @@ def test_sweep_runs_the_kernel_and_fits_a_row():
 
 
 def test_sweep_stops_at_its_budget():
-    out = bench_kernels.sweep_decode([TINY, TINY], None, 0.0, read_bandwidth_bytes_s=1e10, log=lambda _: None)
+    out = kernels.sweep_decode([TINY, TINY], None, 0.0, read_bandwidth_bytes_s=1e10, log=lambda _: None)
     assert [s.get("skipped") for s in out["shapes"]] == ["budget", "budget"]
     assert out["entries"] == [] and out["table_text"] == ""
 
@@ -64,7 +60,7 @@ def test_rows_are_fitted_from_the_timings():
         results += [result(128, best_splits, 3, 1.3), result(64, best_splits, 2, 1.6)]
         recs.append(dict(shape=dict(batch=batch, kv_heads=8, group=5, head_dim=128, slots=4096), results=results,
                          best=min(results, key=lambda r: r["ms"]), best_vs_table=1.2))
-    (entry,) = bench_kernels.fit_entries(recs, "NVIDIA H200", 132)
+    (entry,) = kernels.fit_entries(recs, "NVIDIA H200", 132)
     assert entry["key"] == ["NVIDIA H200", 128, 5, "bfloat16"]
     tuned = DecodeTuning(**entry["entry"])
     assert (tuned.block_size, tuned.num_warps, tuned.num_stages) == (64, 4, 3)
@@ -84,16 +80,16 @@ def test_every_table_row_says_whether_it_was_measured():
 
 
 def test_shapes_are_checked():
-    assert bench_kernels.DecodeShape.of(dict(batch=1, kv_heads=2, group=3, head_dim=16, slots=8)).dtype == "bfloat16"
+    assert kernels.DecodeShape.of(dict(batch=1, kv_heads=2, group=3, head_dim=16, slots=8)).dtype == "bfloat16"
     with pytest.raises(ValueError, match="slots=0"):
-        bench_kernels.DecodeShape.of((1, 1, 1, 16, 0))
+        kernels.DecodeShape.of((1, 1, 1, 16, 0))
     with pytest.raises(ValueError, match="capacity=4"):
-        bench_kernels.DecodeShape.of((1, 1, 1, 16, 8, "float32", 4))
+        kernels.DecodeShape.of((1, 1, 1, 16, 8, "float32", 4))
 
 
 def test_benchmark_table_json(tmp_path):
     path = tmp_path / "kernels.json"
-    rows = bench_kernels.main(["--which", "decode", "--batches", "1", "--lengths", "32", "--kv-heads", "2",
+    rows = kernels.main(["--which", "decode", "--batches", "1", "--lengths", "32", "--kv-heads", "2",
                                "--head-dim", "16", "--repeats", "3", "--copy-mib", "8", "--json", str(path)])
     out = json.loads(path.read_text())
     for key in ("copy_bandwidth_gb_per_s", "read_bandwidth_gb_per_s", "dtype", "kv_heads", "group", "head_dim",

@@ -1,4 +1,5 @@
-"""scripts/device_check.py: a clear refusal without an accelerator, and its decode benchmark and report on CPU."""
+"""benchmarks.device_check: a clear refusal without an accelerator, its phases' code on CPU at tiny shapes (the
+decode benchmark, the workload's plan on the device it runs on, lowering, invariance) and its report."""
 
 from __future__ import annotations
 
@@ -6,25 +7,25 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "device_check.py")
 
 
 @pytest.fixture(scope="module")
 def device_check():
-    from conftest import load_script
+    from benchmarks import device_check
 
-    return load_script("device_check")
+    return device_check
 
 
 @pytest.mark.skipif(jax.default_backend() in ("gpu", "tpu"), reason="an accelerator is present: the check would run")
 def test_exits_2_without_an_accelerator(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--out", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2, proc.stderr
     assert "no accelerator" in proc.stderr and "Nothing was run" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written
@@ -94,7 +95,7 @@ def test_lowering_phase_on_this_host(device_check):
 
 def test_issue_25_phases_in_the_report(device_check):
     """The sweep, workload and events phases' sections and targets, from results shaped as their producers write
-    them (bench_kernels.sweep_decode, bench.py --workload aime25, decode_benchmark's eviction_share)."""
+    them (kernels.sweep_decode, bench --workload aime25, decode_benchmark's eviction_share)."""
 
     def shape(batch, slots, table_share, best_share):
         return dict(shape=dict(batch=batch, kv_heads=8, group=5, head_dim=128, slots=slots, dtype="bfloat16"),
@@ -107,9 +108,8 @@ def test_issue_25_phases_in_the_report(device_check):
                  table_text="TABLE = {}\n")
 
     def workload(label, rows, seconds):
-        return {"methods": [dict(label=label, rows=rows, peak_bytes=100 * 2**30,
-                                 protocol=dict(seconds=seconds, tok_s=3600.0, step_ms=30.0, utilization=0.6))],
-                "planned": dict(total_gib=98.0)}
+        return {"methods": [dict(label=label, rows=rows, peak_bytes=100 * 2**30, plan=dict(total=98 * 2**30),
+                                 protocol=dict(seconds=seconds, tok_s=3600.0, step_ms=30.0, utilization=0.6))]}
 
     events = dict(meta=dict(batch=64, budget=2048, buffer=64),
                   rows=[dict(method="vase_dkv@2048", step_ms=20.0, evict_ms=25.6, eviction_share=0.02),
@@ -135,8 +135,31 @@ def test_issue_25_phases_in_the_report(device_check):
     assert "| vase_dkv@2048 | 260 | 30.00 | 3600 | 0.60 | 28.3 | 100.00 | 98.00 |" in table
     assert "| vase_attnv@2048 | time budget |" in table and "| vase_attnv@2048 | 20.00 | 51.20 | 4.0% |" in table
     assert set(device_check.PHASES) == set(device_check.CAPS)
-    assert set(device_check.WORKLOAD_ROWS) == set(device_check.WORKLOAD_SHARE)
-    assert all(rows > 0 for rows in device_check.WORKLOAD_ROWS.values())  # planned beforehand (module comment)
+    assert set(device_check.WORKLOAD_DEFAULT) <= set(device_check.WORKLOAD_SHARE)
+
+
+@pytest.mark.slow
+def test_workload_phase_plans_its_rows_on_its_device(device_check, tmp_path):
+    """The workload phase's child, at the tiny scale on this CPU (memory given, as a device's allocator limit
+    would be): no rows given, so it plans them (`planner.largest_batch`, compiled here) and runs at the plan's
+    rows; the report's planned GiB is the plan's total."""
+    cmd = device_check.workload_command("vase_dkv@32", 1, time.time() - 100, str(tmp_path / "w"), scale="tiny")
+    assert "--batch" not in cmd
+    device_gb = 0.012
+    proc = subprocess.run(cmd + ["--device-gb", str(device_gb)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "w" / "results.json").read_text())
+    (rec,) = res["methods"]
+    usable = int(device_gb * 1e9 * 0.95)  # less the default headroom
+    assert rec["rows"] == rec["batch_plan"]["rows"] == rec["plan"]["rows"] >= 1
+    assert rec["plan"]["total"] <= usable and rec["rows_reason"].startswith(("limited by memory", "capped at"))
+    assert rec["schedules_match_engine"] and rec["protocol"]["tok_s"] > 0
+    report = dict(started="now", seconds=1.0, environment=dict(backend="cpu", device_kind="cpu", jax="0", python="3"),
+                  phases=dict(workload=dict(status="done", seconds=1, results={"vase_dkv@32": res})))
+    planned = f"{rec['plan']['total'] / 2**30:.2f} |"
+    assert f"| vase_dkv@32 | {rec['rows']} |" in device_check.markdown(report)
+    assert device_check.markdown(report).splitlines()[-1].endswith(planned)
 
 
 def test_invariance_phase_on_cpu(device_check, tmp_path):

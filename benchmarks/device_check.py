@@ -1,6 +1,6 @@
 """One device check: on the accelerator present (GPU or TPU), in about 8 minutes, write one JSON and one table.
 
-    python scripts/device_check.py --out device_check      # exit 0: what ran passed (phases past the budget are
+    python -m benchmarks.device_check --out device_check   # exit 0: what ran passed (phases past the budget are
                                                            # skipped), 1: something failed, 2: no accelerator
 
 Keep each run: copy its device_check.json and device_check.md to docs/device-runs/<date>-<device>/ and summarize
@@ -14,15 +14,15 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
   1b. invariance  batch invariance: `vase_jax.invariance`'s rule on the device (Qwen3-8B's matmul widths, bf16) and a
               row's greedy tokens alone and in batches of 16 and 128 (Qwen3-0.6B's widths, 2 layers, bf16; full and
               vase_dkv@128): identical or not; one call's time at 1 and 128 rows with batch invariance on and off
-  2. sweep    the Triton decode kernel's launch parameters (`bench_kernels.sweep_decode`) on Qwen3-14B's and 8B's
+  2. sweep    the Triton decode kernel's launch parameters (`kernels.sweep_decode`) on Qwen3-14B's and 8B's
               heads at batch 16 x 4k and 16k slots, 128 x 2k and 64 x 2080: each shape's GB/s with the table's
               parameters and with the best found, against the read bandwidth, and the table rows to paste into
               `pallas_kernels/decode_tuning.py` (GPU only)
-  3. workload `scripts/bench.py --workload aime25` per method, each in its own process (its own memory peak):
-              vase_dkv@2048 and full (`--workload-methods` adds vase_attnv@2048) at the
-              rows planned beforehand with the H200's compiler
-              (`WORKLOAD_ROWS`, `WORKLOAD_PLANS`): tokens/s, utilization, the protocol's projected wall time, and
-              the device's peak beside the plan's total
+  3. workload `benchmarks.bench --workload aime25` per method, each in its own process (its own memory peak):
+              vase_dkv@2048 and full (`--workload-methods` adds vase_attnv@2048) at the most rows that fit this
+              device, planned there (`planner.largest_batch` with the device's own compiler and allocator limit:
+              3 to 5 compiles of the engine per method): tokens/s, utilization, the protocol's projected wall time,
+              and the device's peak beside the plan's total
   4. events   eviction events against the decode steps between them (B = 64): `decode_benchmark` on Qwen3-14B's
               shape at batch `EVENTS_BATCH`, vase_dkv and vase_attnv, evict ms / (B x step ms)
   5. memory   device peak of one `generate` call (Qwen3-8B shape, bf16, batch 16, vase_dkv@2048, 2304 new
@@ -34,15 +34,17 @@ not preallocated), each under a cap of seconds (`CAPS`); what does not fit the b
               bandwidth bound (weights + live K/V/pos per step at the measured read bandwidth); with the platform's
               layer loop, and vase_dkv at 16k once more with the other loop; and after each `full` figure the same
               step on a K4V4 mixed-precision cache (its default: a quarter of the capacity in 16 bits, the rest
-              quantized; `bench.filled_tiered_cache`), its step time against the 16-bit cache's
+              quantized; `decode_step.filled_tiered_cache`), its step time against the 16-bit cache's
   7. lowering `generate` lowered on the device, and lowered for the device's platform by a CPU-only process
               (JAX_PLATFORMS=cpu, `lower_generate(platforms=...)`): any difference is reported
-  8. kernels  scripts/bench_kernels.py with the table's parameters: decode attention and window scores, XLA vs the
+  8. kernels  `benchmarks.kernels` with the table's parameters: decode attention and window scores, XLA vs the
               platform's kernel, at batch 1 and 16 and 1k-16k slots (Qwen3-8B heads)
-  9. spread   scripts/bench.py's spread workload: continuous vs static batching, qwen3-0.6b shape, batch 16
+  9. spread   `benchmarks.bench`'s spread workload: continuous vs static batching, qwen3-0.6b shape, batch 16
 
-With the default budget (470 s) phases 1-4 fit; run the others with `--skip tests,sweep,workload,events` in
-another lease (for the K4V4 step first: `--skip tests,sweep,workload,events,memory`).
+With the default budget (470 s) phases 1-2 fit and the workload gets what is left (its plan on the device takes 3
+to 5 compiles per method); run the workload alone (`--skip tests,invariance,sweep,events,memory,decode,lowering,
+kernels,spread`) and the others with `--skip tests,invariance,sweep,workload` in other leases (for the K4V4 step
+first: add `,events,memory`).
 
 Targets (benchmark goals, not pass/fail of this script), reported in the table: the decode kernel at >= 70% of the
 read bandwidth at batch 16 x 4k-16k slots and at batch 128 x 2k slots; eviction events <= 3% of the decode time
@@ -69,26 +71,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
-CAPS = {"tests": 60, "invariance": 90, "sweep": 80, "workload": 225, "events": 85, "memory": 60, "decode": 180,
+CAPS = {"tests": 60, "invariance": 90, "sweep": 80, "workload": 480, "events": 85, "memory": 60, "decode": 180,
         "lowering": 50, "kernels": 40, "spread": 50}
-# The workload phase: the rows of each method, planned beforehand on a CPU host with the H200's compiler (no
-# device time), for a device whose allocator may use 0.95 of its memory (`bench.py` sets
-# XLA_PYTHON_CLIENT_MEM_FRACTION), 141 GB less 5%:
-#   python scripts/plan.py --model qwen3-14b --batch auto --method M --budget 2048 --prompt 256 \
-#       --max-new-tokens 32512 --samples 480 --target h200 --device-gb 141
-# (2026-12-02, jax 0.10.2: 117-128 s of compiling per method on this 2-core host)
-WORKLOAD_ROWS = {"vase_dkv@2048": 275, "full": 18, "vase_attnv@2048": 228}
-WORKLOAD_PLANS = {  # the plans' figures (GiB), beside the measured peak in the report
-    "vase_dkv@2048": dict(total_gib=124.70, weights_gib=27.51, state_gib=89.39, staged_gib=2.52,
-                          engine_temporaries_gib=2.23, stage_temporaries_gib=2.76, queue=64),
-    "full": dict(total_gib=122.41, weights_gib=27.51, state_gib=90.71, staged_gib=0.71,
-                 engine_temporaries_gib=0.01, stage_temporaries_gib=2.77, queue=18),
-    "vase_attnv@2048": dict(total_gib=124.42, weights_gib=27.51, state_gib=79.68, staged_gib=4.08,
-                            engine_temporaries_gib=1.86, stage_temporaries_gib=9.07, queue=64),
-}
 WORKLOAD_SHARE = {"vase_dkv@2048": 0.55, "full": 0.45, "vase_attnv@2048": 0.45}  # of the workload's cap
-WORKLOAD_DEFAULT = ("vase_dkv@2048", "full")  # the issue's figures; vase_attnv@2048 with --workload-methods
-WORKLOAD_SETUP_S = 75  # per method: process start, the model's random weights, the engine's two compiles
+WORKLOAD_DEFAULT = ("vase_dkv@2048", "full")  # the targets' figures; vase_attnv@2048 with --workload-methods
+# per method, before the measuring: process start, the model's random weights, the plan (3 to 5 compiles of the
+# engine's programs, about 40 s each for Qwen3-14B's 40 layers on XLA:GPU), the engine's two compiles
+WORKLOAD_SETUP_S = 180
 EVENTS_BATCH = 128  # a large batch that leaves room for the benchmark's own cache (the workload's rows would not)
 
 DETECT = (
@@ -140,10 +129,12 @@ def decode_benchmark(
     attention_impl: str = "auto",
     deadline: float | None = None,
     json_path: str | None = None,
-    bandwidth_mib: int = 8192,  # large enough that one pass (ms) dwarfs a call's dispatch and sync
+    bandwidth_mib: int | None = None,
     kv_bits: tuple[str, ...] = ("K4V4",),
 ) -> dict:
-    """Decode tokens/s of `methods` at the cache state after each of `lengths` generated tokens (module docstring).
+    """Decode tokens/s of `methods` at the cache state after each of `lengths` generated tokens (module docstring):
+    `decode_step.step_ms` and `decode_step.evict_ms`, the benchmark's own micro figures, on caches holding what
+    `generate` holds there. `bandwidth_mib`: the read-bandwidth probe's size (default `DEVICE_PROBE_BYTES`).
 
     Returns (and writes to `json_path` after every figure) dict(meta=..., rows=[...]); a row per (method, length)
     with step_ms, evict_ms (eviction methods), tokens_per_s, bound_tokens_per_s, or `skipped` past the deadline.
@@ -155,19 +146,21 @@ def decode_benchmark(
     from flax import nnx
 
     import vase_jax as vj
-    from vase_jax import bench as vb
+    from benchmarks import decode_step as ds
+    from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth
     from vase_jax.eviction import framework
     from vase_jax.generate import generate_target, generate_tiers, query_window
     from vase_jax.kvquant import KVBits, token_bytes
+    from vase_jax.random_model import named_configs, shrink
     from vase_jax.target import LAYER_LOOPS, Target
 
-    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    cfg = shrink(named_configs()[model], layers=layers)
     jdtype = jnp.dtype(dtype)
     qwen = vj.Qwen3(cfg, dtype=jdtype, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(qwen)
-    read_bw = vb.bandwidth(bandwidth_mib << 20, repeats=3)["jax_read"]
-    weight_bytes = vb.weight_bytes_per_step(qwen)
-    per_slot = vb.slot_bytes(cfg, batch, jdtype.itemsize)
+    read_bw = bandwidth(DEVICE_PROBE_BYTES if bandwidth_mib is None else bandwidth_mib << 20, repeats=3)["read"]
+    weight_bytes = ds.weight_bytes_per_step(qwen)
+    per_slot = ds.slot_bytes(cfg, batch, jdtype.itemsize)
     gen = vj.GenerateConfig(max_new_tokens=max(lengths), temperature=0.0, eos_token_ids=())
     bucket = gen.bucket(prompt_len)
     default = generate_target(qwen, gen)  # the platform's layer loop, as `generate` runs it
@@ -181,31 +174,14 @@ def decode_benchmark(
         rows=[],
     )
 
-    def save():
+    def add(row: dict) -> None:
+        result["rows"].append(row)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(result, f, indent=2)
 
-    def out_of_time() -> bool:
-        return deadline is not None and time.time() > deadline
-
-    token = jnp.zeros((batch,), jnp.int32)
-    row_ids = jnp.arange(batch, dtype=jnp.int32)
-
-    def time_steps(cache, start, target) -> tuple[float, float]:
-        """(seconds per decode step: the median of `repeats` loops of `micro_steps`, the first loop's seconds,
-        compile included) on `cache` (donated; `start`: `bench.decode_steps`'s)."""
-        t0 = time.perf_counter()
-        cache, _ = jax.block_until_ready(
-            vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
-        first_s = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            cache, _ = jax.block_until_ready(
-                vb.decode_steps(graphdef, state, cache, token, start, micro_steps, attention_impl, target))
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] / micro_steps, first_s
+    def step(cache, start, target) -> float:  # median ms per step; the cache is consumed
+        return ds.step_ms(graphdef, state, cache, start, micro_steps, repeats, attention_impl, target).median
 
     def tiered_step(name: str, length: int, live: int, bf16_step_ms: float, target) -> dict:
         """`full`'s decode step at `live` tokens on a mixed-precision cache of setting `name` (its default
@@ -214,17 +190,17 @@ def decode_benchmark(
         config = dataclasses.replace(gen, max_new_tokens=length, key_bits=kv.key_bits, value_bits=kv.value_bits,
                                      kv_group=kv.key_group)
         layout = generate_tiers(cfg, config, vj.EvictionConfig("full", buffer=buffer), bucket)
-        step_s, first_s = time_steps(vb.filled_tiered_cache(cfg, batch, layout, live, 0, jdtype, target=target),
-                                     None, target)
+        ms = step(ds.filled_tiered_cache(cfg, batch, layout, live, 0, jdtype, target=target), None, target)
         n16 = min(live, layout.protected + layout.buffer)
         quant_slot = per_slot * token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), jdtype.itemsize) / (
             token_bytes(cfg.head_dim, KVBits(), jdtype.itemsize))
         step_bytes = weight_bytes + n16 * per_slot + (live - n16) * quant_slot
         bound = batch * read_bw / step_bytes
         return dict(method=f"full {name}", tokens=length, live_slots=live, protected=layout.protected,
-                    quantized_slots=live - n16, step_ms=step_s * 1e3, decode_compile_and_first_s=first_s,
-                    tokens_per_s=batch / step_s, bound_tokens_per_s=bound, achieved_over_bound=batch / step_s / bound,
-                    bytes_per_step=step_bytes, x_bf16_step=step_s * 1e3 / bf16_step_ms)
+                    quantized_slots=live - n16, step_ms=ms, tokens_per_s=batch / ms * 1e3, bound_tokens_per_s=bound,
+                    achieved_over_bound=batch / ms * 1e3 / bound, bytes_per_step=step_bytes,
+                    x_bf16_step=ms / bf16_step_ms)
+
     measured: dict[tuple, dict] = {}  # eviction methods: one cache state for every length
     # the longest length first, so that a run stopped for time still has the 16k comparison; every method with the
     # platform's layer loop, then the `other_loop` ones at the longest length with the other loop
@@ -237,32 +213,19 @@ def decode_benchmark(
         window = query_window(ev)
         row = dict(method=(method if method == "full" else f"{method}@{budget}")
                    + (f" ({layer_loop})" if layer_loop != default.layer_loop else ""), tokens=length)
-        if out_of_time():
-            result["rows"].append({**row, "skipped": "time budget"})
-            save()
+        if deadline is not None and time.time() > deadline:
+            add({**row, "skipped": "time budget"})
             continue
         capacity = framework.capacity_for(ev, bucket, length)
         live = bucket + length if not ev.evicts else budget + buffer // 2  # slots at that point (mean)
         live = min(live, capacity - micro_steps)  # the micro steps append `micro_steps` slots
         state_key = (method, capacity, live, layer_loop)
         if state_key not in measured:
-            step_s, first_s = time_steps(vb.filled_cache(cfg, batch, capacity, live, window, jdtype, target=target),
-                                         live, target)
-            entry = dict(live_slots=live, capacity=capacity, step_ms=step_s * 1e3,
-                         decode_compile_and_first_s=first_s)
+            entry = dict(live_slots=live, capacity=capacity, step_ms=step(
+                ds.filled_cache(cfg, batch, capacity, live, window, jdtype, target=target), live, target))
             if ev.evicts:
-                cache = vb.filled_cache(cfg, batch, capacity, budget + buffer, window, jdtype, target=target)
-                key = jax.random.key(0)
-                t0 = time.perf_counter()
-                cache = jax.block_until_ready(vb.evict_full(cache, ev, key, row_ids, attention_impl))
-                entry["evict_compile_and_first_s"] = time.perf_counter() - t0
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    cache = jax.block_until_ready(vb.evict_full(cache, ev, key, row_ids, attention_impl))
-                    times.append(time.perf_counter() - t0)
-                entry["evict_ms"] = sorted(times)[len(times) // 2] * 1e3
-                del cache
+                full = ds.filled_cache(cfg, batch, capacity, budget + buffer, window, jdtype, target=target)
+                entry["evict_ms"] = ds.evict_ms(full, ev, repeats, attention_impl).median
             measured[state_key] = entry
         entry = measured[state_key]
         step_s = entry["step_ms"] / 1e3 + (entry.get("evict_ms", 0.0) / 1e3 / buffer if ev.evicts else 0.0)
@@ -270,18 +233,14 @@ def decode_benchmark(
         bound = batch * read_bw / step_bytes
         tps = batch / step_s
         share = entry["evict_ms"] / (buffer * entry["step_ms"]) if ev.evicts else None  # of the steps between events
-        result["rows"].append({**row, **entry, "tokens_per_s": tps, "bound_tokens_per_s": bound,
-                               "achieved_over_bound": tps / bound, "bytes_per_step": step_bytes,
-                               "eviction_share": share})
-        save()
+        add({**row, **entry, "tokens_per_s": tps, "bound_tokens_per_s": bound, "achieved_over_bound": tps / bound,
+             "bytes_per_step": step_bytes, "eviction_share": share})
         if method == "full" and layer_loop == default.layer_loop:
             for name in kv_bits:
-                if out_of_time():
-                    result["rows"].append({**row, "method": f"full {name}", "skipped": "time budget"})
-                    save()
-                    continue
-                result["rows"].append(tiered_step(name, length, live, entry["step_ms"], target))
-                save()
+                if deadline is not None and time.time() > deadline:
+                    add({**row, "method": f"full {name}", "skipped": "time budget"})
+                else:
+                    add(tiered_step(name, length, live, entry["step_ms"], target))
     return result
 
 
@@ -294,10 +253,9 @@ SWEEP_SHAPES = tuple((b, 8, g, 128, n, "bfloat16") + ((cap,) if cap else ())  # 
 
 
 def kernel_sweep(seconds: float, json_path: str | None = None, shapes=SWEEP_SHAPES, **kwargs) -> dict:
-    """`bench_kernels.sweep_decode` on `shapes` within `seconds`: each shape's time with the table's launch
+    """`kernels.sweep_decode` on `shapes` within `seconds`: each shape's time with the table's launch
     parameters and with the best found, as fractions of the read bandwidth, and the table rows to paste."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import bench_kernels
+    from benchmarks.kernels import sweep_decode
 
     # one shape at a time, the JSON rewritten after each: a sweep stopped for time keeps the shapes it finished
     deadline = time.time() + seconds
@@ -306,7 +264,7 @@ def kernel_sweep(seconds: float, json_path: str | None = None, shapes=SWEEP_SHAP
         share = (deadline - time.time()) / (len(shapes) - i)
         if share < 1:
             break
-        one = bench_kernels.sweep_decode([shape], None, share, log=lambda m: print(m, flush=True), **kwargs)
+        one = sweep_decode([shape], None, share, log=lambda m: print(m, flush=True), **kwargs)
         if not result:
             result = dict(one, shapes=[], entries=[], table_text="")
             kwargs.setdefault("read_bandwidth_bytes_s", one["read_bandwidth_gb_s"] * 1e9)  # measured once
@@ -335,10 +293,10 @@ def lowered_text(platform: str | None, *, model: str = "qwen3-8b", layers: int =
 
     import vase_jax as vj
     from pallas_kernels.dispatch import lowering_target
-    from vase_jax import bench as vb
     from vase_jax.generate import lower_generate
+    from vase_jax.random_model import named_configs, shrink
 
-    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    cfg = shrink(named_configs()[model], layers=layers)
     qwen = nnx.eval_shape(lambda: vj.Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     ids = np.ones((batch, prompt_len), np.int32)
     kwargs = dict(key=jax.random.key(0), config=vj.GenerateConfig(max_new_tokens=max_new_tokens),
@@ -373,13 +331,14 @@ def memory_peak(*, model: str = "qwen3-8b", layers: int | None = None, dtype: st
     import numpy as np
 
     import vase_jax as vj
-    from vase_jax import bench as vb
+    from benchmarks.decode_step import param_bytes
     from vase_jax.cache import cache_bytes, init_cache
     from vase_jax.config import NORM_PARAMS, param_shapes
     from vase_jax.eviction import framework
     from vase_jax.generate import generate_target, query_window
+    from vase_jax.random_model import named_configs, shrink
 
-    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    cfg = shrink(named_configs()[model], layers=layers)
     # weights made in place, one array at a time (a random init would hold float32 draws beside them, which the
     # device's peak would count): constant weights read and compute exactly as random ones
     params = {path: jnp.full(shape, 1.0 if path[-1] in NORM_PARAMS + ("weight",) else 0.01, dtype)
@@ -397,7 +356,7 @@ def memory_peak(*, model: str = "qwen3-8b", layers: int | None = None, dtype: st
                                             eviction=ev))
     seconds = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
-    weights, cache_b = vb.param_bytes(qwen), cache_bytes(cache)
+    weights, cache_b = param_bytes(qwen), cache_bytes(cache)
     peak = stats.get("peak_bytes_in_use")
     return dict(model=model, layers=cfg.num_layers, dtype=dtype, batch=batch, prompt_len=prompt_len,
                 budget=budget, new_tokens=new_tokens, evictions=int(out.evictions), seconds=seconds,
@@ -417,9 +376,8 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
     import numpy as np
 
     import vase_jax as vj
-    from vase_jax import bench as vb
     from vase_jax.invariance import probe_shapes
-    from vase_jax.random_model import random_params
+    from vase_jax.random_model import named_configs, random_params, shrink
 
     result: dict = {"model": model, "layers": layers, "batches": list(batches), "new_tokens": new_tokens}
 
@@ -428,7 +386,7 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
             with open(json_path, "w") as f:
                 json.dump(result, f, indent=2)
 
-    big = vb.named_configs()[probe_model]
+    big = named_configs()[probe_model]
     t0 = time.perf_counter()
     rule = probe_shapes(hidden=big.hidden_size, q_dim=big.num_heads * big.head_dim,
                         kv_dim=big.num_kv_heads * big.head_dim, mlp=big.intermediate_size, vocab=big.vocab_size,
@@ -436,7 +394,7 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
     result["probe"] = dict(seconds=time.perf_counter() - t0, min_rows=rule.min_rows, invariant=rule.invariant,
                            describe=rule.describe(), differs={op: list(ms) for op, ms in rule.differs})
     save()
-    cfg = vb.shrink(vb.named_configs()[model], layers=layers)
+    cfg = shrink(named_configs()[model], layers=layers)
     qwen = vj.Qwen3.from_params(cfg, random_params(cfg, seed=0), jnp.bfloat16)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(batches), 64)).astype(np.int32)
     result["rows"] = {}
@@ -542,11 +500,12 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {label} | {res.get('skipped', 'no result')} | | | | | | |")
                 continue
             proto = rec.get("protocol", {})
-            planned = (res.get("planned") or {}).get("total_gib")
+            planned = (rec.get("plan") or {}).get("total")
             lines.append(f"| {label} | {rec.get('rows')} | {_fmt(proto.get('step_ms'), 2)} | "
                          f"{_fmt(proto.get('tok_s'), 0)} | {_fmt(proto.get('utilization'), 2)} | "
                          f"{_fmt(proto.get('seconds') and proto['seconds'] / 60, 1)} | "
-                         f"{_fmt(rec.get('peak_bytes') and rec['peak_bytes'] / 2**30, 2)} | {_fmt(planned, 2)} |")
+                         f"{_fmt(rec.get('peak_bytes') and rec['peak_bytes'] / 2**30, 2)} | "
+                         f"{_fmt(planned and planned / 2**30, 2)} |")
     events = report["phases"].get("events", {}).get("results")
     if events:
         m = events["meta"]
@@ -693,8 +652,18 @@ def _save(out: str, report: dict, start: float) -> None:
 
 def _child(phase: str, path: str, cap: float, extra: list[str] | None = None) -> list[str]:
     """This script as a child process for one phase, stopping new work 20 s before its cap."""
-    return [sys.executable, "scripts/device_check.py", "--phase", phase, "--json", path,
+    return [sys.executable, "-m", "benchmarks.device_check", "--phase", phase, "--json", path,
             "--deadline", str(time.time() + max(cap - 20, cap / 2))] + (extra or [])
+
+
+def workload_command(label: str, seconds: float, deadline: float, out: str, scale: str = "protocol") -> list[str]:
+    """The workload phase's child for one method ("vase_dkv@2048", "full"): `benchmarks.bench --workload aime25`
+    at `scale`, measuring for `seconds` and ending by `deadline`, without `--batch`: the child plans its rows on its
+    device (`planner.largest_batch`, the device's compiler and allocator limit; its record has the plan)."""
+    method, _, budget = label.partition("@")
+    return [sys.executable, "-m", "benchmarks.bench", "--workload", "aime25", "--scale", scale, "--methods", method,
+            *(["--budgets", budget] if budget else []), "--seconds", str(round(seconds)), "--deadline", str(deadline),
+            "--out", out]
 
 
 def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
@@ -728,19 +697,14 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
         phase = dict(rc=0, seconds=0.0, tail=[], results={})
         spent = 0.0
         for label in args.workload_methods.split(","):
-            rows = WORKLOAD_ROWS[label]
-            method, _, budget = label.partition("@")
             sub = min(WORKLOAD_SHARE[label] * CAPS["workload"], CAPS["workload"] - spent, remaining())
             spent += max(sub, 0)
             if sub < 30:
                 phase["results"][label] = dict(skipped="time budget")
                 continue
-            cmd = [sys.executable, "scripts/bench.py", "--workload", "aime25", "--methods", method,
-                   "--budgets", budget or "2048", "--buffer", "64", "--batch", str(rows),
-                   "--seconds", str(round(max(sub - WORKLOAD_SETUP_S, 10))), "--no-plots",
-                   "--deadline", str(time.time() + sub - 5),  # the measuring ends in time whatever the setup took
-                   "--out", os.path.join(folder, label.replace("@", "_"))]
-            run = _run(cmd, sub)
+            # the measuring ends in time (the deadline) whatever the plan and the compile took
+            run = _run(workload_command(label, max(sub - WORKLOAD_SETUP_S, 10), time.time() + sub - 5,
+                                        os.path.join(folder, label.replace("@", "_"))), sub)
             phase["seconds"] += run["seconds"]
             phase["tail"] += [f"[{label}]"] + run["tail"][-8:]
             if run["rc"] != 0:
@@ -748,7 +712,7 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
             found = os.path.join(folder, label.replace("@", "_"), "results.json")
             if os.path.exists(found):
                 with open(found) as f:
-                    phase["results"][label] = dict(json.load(f), planned=WORKLOAD_PLANS.get(label))
+                    phase["results"][label] = json.load(f)
         return dict(phase, status=_status(phase))
     if name == "events":  # eviction events against the decode steps between them (B = 64)
         path = os.path.join(out, "events.json")
@@ -756,7 +720,8 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
         return _results(dict(phase, status=_status(phase)), path)
     if name == "memory":  # device peak of one generate call
         path = os.path.join(out, "memory.json")
-        phase = _run([sys.executable, "scripts/device_check.py", "--phase", "memory", "--json", path] + layers, cap)
+        phase = _run([sys.executable, "-m", "benchmarks.device_check", "--phase", "memory", "--json", path] + layers,
+                     cap)
         return _results(dict(phase, status=_status(phase)), path)
     if name == "decode":  # the decode benchmark; it writes each figure as soon as it has it
         path = os.path.join(out, "decode.json")
@@ -765,7 +730,7 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
     if name == "lowering":  # the device's lowering of generate against a CPU-only process's for this platform
         platform_name = "tpu" if env["backend"] == "tpu" else "cuda"
         texts = {where: os.path.join(out, f"lowered_{where}.txt") for where in ("device", "host")}
-        cmd = [sys.executable, "scripts/device_check.py", "--phase", "lowering", "--json"]
+        cmd = [sys.executable, "-m", "benchmarks.device_check", "--phase", "lowering", "--json"]
         phase = _run(cmd + [texts["device"]], cap / 2)
         host = _run(cmd + [texts["host"], "--platform", platform_name], min(cap / 2, remaining()),
                     env={"JAX_PLATFORMS": "cpu"})
@@ -776,15 +741,15 @@ def run_phase(name: str, args, env: dict, remaining, layers: list[str]) -> dict:
         return phase
     if name == "kernels":  # kernel bandwidth with the table's launch parameters, decode and window scores
         path = os.path.join(out, "kernels.json")
-        cmd = [sys.executable, "scripts/bench_kernels.py", "--batches", "1,16", "--lengths", "1024,4096,16384",
+        cmd = [sys.executable, "-m", "benchmarks.kernels", "--batches", "1,16", "--lengths", "1024,4096,16384",
                "--group", "4", "--kv-heads", "8", "--repeats", "5", "--copy-mib", "8192", "--json", path]
         phase = _run(cmd, cap)
         return _results(dict(phase, status=_status(phase)), path)
-    if name == "spread":  # continuous vs static batching on the spread workload (scripts/bench.py)
+    if name == "spread":  # continuous vs static batching on the spread workload (benchmarks.bench)
         folder = os.path.join(out, "spread")
-        cmd = [sys.executable, "scripts/bench.py", "--model", "qwen3-0.6b", "--dtype", "bfloat16", "--batch", "16",
-               "--prompt-len", "64", "--output-lens", "512", "--spread-samples", "64", "--methods", "vase_dkv",
-               "--budgets", "128", "--buffer", "32", "--repeats", "3", "--out", folder, "--no-plots"]
+        cmd = [sys.executable, "-m", "benchmarks.bench", "--model", "qwen3-0.6b", "--dtype", "bfloat16", "--batch",
+               "16", "--prompt-len", "64", "--output-lens", "512", "--spread-samples", "64", "--methods", "vase_dkv",
+               "--budgets", "128", "--buffer", "32", "--repeats", "3", "--out", folder]
         phase = _run(cmd, cap)
         phase["status"] = _status(phase)
         if os.path.exists(os.path.join(folder, "results.md")):
@@ -800,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=470.0, help="time for all phases together (default 470)")
     p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
     p.add_argument("--workload-methods", default=",".join(WORKLOAD_DEFAULT),
-                   help=f"workload phase: comma list of {', '.join(WORKLOAD_ROWS)} (default: "
+                   help=f"workload phase: comma list of {', '.join(WORKLOAD_SHARE)} (default: "
                    f"{','.join(WORKLOAD_DEFAULT)})")
     p.add_argument("--layers", type=int, default=None, help="decode phase: layers of the model (default: all 36)")
     p.add_argument("--phase", choices=("decode", "lowering", "memory", "sweep", "events", "invariance"), default=None,
@@ -809,9 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--platform", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = set(args.workload_methods.split(",")) - set(WORKLOAD_ROWS)
+    unknown = set(args.workload_methods.split(",")) - set(WORKLOAD_SHARE)
     if unknown:
-        p.error(f"--workload-methods: {', '.join(sorted(unknown))} not planned; planned: {', '.join(WORKLOAD_ROWS)}")
+        p.error(f"--workload-methods: {', '.join(sorted(unknown))} unknown; known: {', '.join(WORKLOAD_SHARE)}")
 
     if args.phase == "decode":
         decode_benchmark(layers=args.layers, deadline=args.deadline, json_path=args.json)

@@ -1,19 +1,18 @@
-#!/usr/bin/env python
 """Decode speed, memory and cost of `vase_jax.generate` per eviction method, budget and output length;
 optionally against Hugging Face transformers on the same weights; with a memory-bandwidth roofline.
 
-    python scripts/bench.py --model tiny --output-lens 64 --methods full,vase_dkv --budgets 32 --buffer 8
-    python scripts/bench.py --model qwen3-0.6b --layers 4 --output-lens 32 --methods full --compare-hf
-    python scripts/bench.py --model small --batch 2 --output-lens 2048,8192 --budgets 1024 --out bench_long
-    python scripts/bench.py --workload aime25 --seconds 120 --out bench_aime25      # Qwen3-14B's shape, on a GPU
-    python scripts/bench.py --workload aime25 --scale tiny --out bench_aime25_tiny  # the same code path, on a CPU
+    python -m benchmarks.bench --model tiny-1k --output-lens 64 --methods full,vase_dkv --budgets 32 --buffer 8
+    python -m benchmarks.bench --model qwen3-0.6b --layers 4 --output-lens 32 --methods full --compare-hf
+    python -m benchmarks.bench --model small --batch 2 --output-lens 2048,8192 --budgets 1024 --out bench_long
+    python -m benchmarks.bench --workload aime25 --seconds 120 --out bench_aime25      # Qwen3-14B's shape, on a GPU
+    python -m benchmarks.bench --workload aime25 --scale tiny --out bench_aime25_tiny  # the same code path, on a CPU
 
 --workload aime25: the AIME25 protocol of the paper (30 problems x 16 samples = 480 samples, at most 32768 tokens
 each, prompt included) on random weights of Qwen3-14B's shape, bf16, 256-token prompts, output lengths drawn from a
 log-normal (median 12k, sigma 0.5, seeded; capped at 32768 - 256), each sample ended at its drawn length by its
 cap. Per method (default vase_dkv@2048, vase_attnv@2048, full; B = 64) at the largest batch that fits the device
 (`planner.largest_batch` with the device's compiler and its allocator limit; --batch N overrides), each method is
-measured for --seconds and the whole protocol projected (`vase_jax.bench.aime25_workload`):
+measured for --seconds and the whole protocol projected (`benchmarks.workload.aime25_workload`):
 
     T = rounds * round_s + steps * step_s + slot_reads * slot_s + events * event_s
 
@@ -22,12 +21,12 @@ own length with the Pallas kernels, up to the longest row's on the XLA path) and
 of the 480 drawn lengths, simulated on the host; round_s from runs that end at the prefill, the others fitted
 (non-negative least squares) to lockstep runs of doubling lengths, then checked on a continuous run. --batch N or
 --batch vase_dkv@2048=N1,full=N2 skips the search (which compiles at 3 or more sizes per method; plan beforehand
-with scripts/plan.py --batch auto on any host). --scale tiny: the tiny model, 24
-samples, 16-token prompts, 256 tokens at most, median 96, budget 32, B = 8, 6 rows (or the largest that fits
---device-gb).
+with scripts/plan.py --batch auto on any host). --scale tiny: the tiny-1k model, 24 samples, 16-token prompts, 256
+tokens at most, median 96, budget 32, B = 8, 6 rows (or the largest that fits --device-gb).
 
-`--model` is a hub id, a local HF folder, or a named random model: `tiny` (tests), `small` (long CPU runs), or
-`qwen3-0.6b`, `qwen3-4b`, ... (the packaged real configs, random weights), shrunk with `--layers` / `--vocab`.
+`--model` is a hub id, a local HF folder, or a named random model (`vase_jax.random_model.named_configs`): `tiny`,
+`tiny-1k` (tests), `small` (long CPU runs), or `qwen3-0.6b`, `qwen3-4b`, ... (the packaged real configs, random
+weights), shrunk with `--layers` / `--vocab`.
 Every generation is greedy and fixed-length (no end token). How each figure is obtained:
 """
 
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -49,11 +49,15 @@ import numpy as np
 from flax import nnx
 
 import vase_jax as vj
-from vase_jax import bench as vb
-from vase_jax.cache import cache_bytes, init_cache
+from benchmarks import decode_step as ds
+from benchmarks import workload as wl
+from benchmarks.timing import Stat, bandwidth, decode_rate, device_desc, load_warning, machine, time_runs
+from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import LAYER_LOOPS, generate_target, lower_generate, query_window
+from vase_jax.generate import LAYER_LOOPS, generate_target, generate_tiers, lower_generate, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
+from vase_jax.kvquant import KVBits, token_bytes
+from vase_jax.random_model import named_configs, shrink
 
 HOW = {
     "compile_s": "jax.jit(generate).lower(...).compile(), timed once; never part of a timed run",
@@ -77,7 +81,7 @@ HOW = {
     "device_peak_bytes": "GPU: memory_stats()['peak_bytes_in_use'] after the run (whole process)",
     "roofline": "bytes a decode step must read: weights + live K/V/pos slots (+ 2x the budget+buffer slots "
     "per eviction event); bound_tok_s = batch * steps * bandwidth / total bytes, with the larger read "
-    "bandwidth measured after the runs (numpy or jax sum over --bandwidth-mib)",
+    "bandwidth measured after the runs (a jax sum over --bandwidth-mib; on a CPU also a numpy sum)",
     "hf": "transformers Qwen3ForCausalLM holding our weights, generate(do_sample=False, min_new_tokens = "
     "max_new_tokens = n), timed the same way; its prefill_s is generate with max_new_tokens=1 (same cache)",
 }
@@ -86,10 +90,10 @@ DEFAULT_MODEL = "qwen3-0.6b"
 # --workload aime25: the defaults of each scale (flags given on the command line win)
 WORKLOADS = {"aime25": {
     "protocol": {"model": "qwen3-14b", "dtype": "bfloat16", "methods": "vase_dkv,vase_attnv,full",
-                 "budgets": [2048], "buffer": 64, "prompt_len": vb.AIME25["prompt_len"],
-                 "samples": vb.AIME25["samples"]},
+                 "budgets": [2048], "buffer": 64, "prompt_len": wl.AIME25["prompt_len"],
+                 "samples": wl.AIME25["samples"]},
     "tiny": {"model": "tiny-1k", "methods": "vase_dkv,vase_attnv,full", "budgets": [32], "buffer": 8,
-             "prompt_len": vb.AIME25_TINY["prompt_len"], "samples": vb.AIME25_TINY["samples"], "batch": 6},
+             "prompt_len": wl.AIME25_TINY["prompt_len"], "samples": wl.AIME25_TINY["samples"], "batch": 6},
 }}
 
 
@@ -177,8 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
            "default Range protection and, where that protects slots, without (P = 0): bytes per token, cache "
            "bytes, the program's peak, decode tokens/s and the tokens that agree with bf16")
     a("--seed", type=int, default=0)
-    a("--out", default=None, help="folder for results.json, results.md, tokens_per_s.png, memory.png")
-    a("--no-plots", action="store_true")
+    a("--out", default=None, help="folder for results.json and results.md")
     a("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache (default "
       "$VASE_JAX_COMPILATION_CACHE or ~/.cache/vase-jax/xla); off with --compile-only, whose figures are compiles")
     a("--no-compile-cache", action="store_true", help="compile every program anew")
@@ -259,7 +262,7 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
                                                 if m != "full"):
         raise ValueError("--calibration is for --methods triattention")
     if isinstance(args.batch, dict):
-        labels = [vb.method_label(ev) for ev in configs]
+        labels = [wl.method_label(ev) for ev in configs]
         unknown = sorted(set(args.batch) - set(labels))
         if unknown:
             raise ValueError(f"--batch: {', '.join(unknown)} not among the methods ({', '.join(labels)})")
@@ -293,10 +296,10 @@ def with_calibration(configs: list[EvictionConfig], model: vj.Qwen3, args) -> li
 
 def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
     """(model, description): a named random model, or a checkpoint folder / hub id."""
-    named = vb.named_configs()
+    named = named_configs()
     name = args.model.lower()
     if name in named:
-        cfg = vb.shrink(named[name], args.layers, args.vocab, args.hidden, args.intermediate)
+        cfg = shrink(named[name], args.layers, args.vocab, args.hidden, args.intermediate)
         desc = (f"{name} (random weights, {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp "
                 f"{cfg.intermediate_size}, vocab {cfg.vocab_size})")
         return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed)), desc
@@ -313,133 +316,128 @@ class Bench:
 
     args: argparse.Namespace
     model: vj.Qwen3
-    ids: jax.Array  # [batch, bucket] int32, the prompt left-padded to its bucket as generate pads it
-    mask: jax.Array  # [batch, bucket] int32
     memo: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        a = self.args
         self.graphdef, self.state = nnx.split(self.model)
         self.target = generate_target(self.model, self.generate_config(1))  # as generate picks it
+        # [batch, bucket] int32: the prompt left-padded to its bucket as generate pads it (the prefill's input);
+        # `raw`: the unpadded prompt that generate itself gets (it pads it, which sets its cache capacity)
+        rows = a.batch if isinstance(a.batch, int) else 1  # the aime25 workload draws its own prompts and rows
+        self.ids, self.mask = ds.random_prompt(self.model.cfg.vocab_size, rows, a.prompt_len, self.generate_config(2),
+                                               a.seed)
+        self.raw = (self.ids[:, -a.prompt_len:], self.mask[:, -a.prompt_len:])
+        self.key = jax.random.key(a.seed)
 
     @property
     def batch(self) -> int:
         return self.ids.shape[0]
 
-    def step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> vb.Stat:
+    @property
+    def bucket(self) -> int:
+        return self.ids.shape[1]
+
+    def generate_config(self, n: int) -> vj.GenerateConfig:
+        return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
+                                 layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl)
+
+    def program(self, config: vj.GenerateConfig, ev: EvictionConfig) -> tuple[functools.partial, float, int | None]:
+        """`generate` compiled as it compiles itself, called on the unpadded prompt: (the call, compile seconds,
+        the program's peak bytes: arguments + outputs + temporaries - aliased, from `memory_analysis`)."""
+        graphdef = self.graphdef
+
+        def generate(state, ids, mask, key):
+            return vj.generate(nnx.merge(graphdef, state), ids, mask, key=key, config=config, eviction=ev)
+
+        start = time.perf_counter()
+        compiled = jax.jit(generate, compiler_options=self.target.compiler_options()).lower(
+            self.state, *self.raw, self.key).compile()
+        compile_s = time.perf_counter() - start
+        mem = compiled.memory_analysis()
+        peak = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                         + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        return functools.partial(compiled, self.state, *self.raw, self.key), compile_s, peak
+
+    def prefill(self, capacity, ev: EvictionConfig) -> functools.partial:
+        """A jitted copy of generate's prefill (prompt forward, a cache of `capacity`: slots or a tier layout)."""
+        return functools.partial(ds.prefill, self.graphdef, self.state, self.ids, self.mask, capacity,
+                                 query_window(ev), self.args.attention_impl, framework.slot_state(ev), self.target)
+
+    def step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> Stat:
         """Per-step milliseconds of `decode_steps` from `length` live slots (memoized); `state`: the policy's
         per-slot state arrays (their update is part of the step)."""
         steps = self.args.micro_steps
         length = max(1, min(length, capacity - steps))
         key = ("step", capacity, window, length, state)
         if key not in self.memo:
-            cfg, dtype = self.model.cfg, self.model.dtype
-            box = [vb.filled_cache(cfg, self.batch, capacity, length, window, dtype, self.args.seed, state,
-                                   self.target)]
-            token = jnp.zeros((self.batch,), jnp.int32)
-
-            def call():
-                box[0], tok = vb.decode_steps(self.graphdef, self.state, box[0], token, jnp.int32(length),
-                                              steps, self.args.attention_impl, self.target)
-                return tok
-
-            self.memo[key] = vb.time_runs(call, self.args.repeats, 1).map(lambda s: s / steps * 1e3)
+            cache = ds.filled_cache(self.model.cfg, self.batch, capacity, length, window, self.model.dtype,
+                                    self.args.seed, state, self.target)
+            self.memo[key] = ds.step_ms(self.graphdef, self.state, cache, jnp.int32(length), steps,
+                                        self.args.repeats, self.args.attention_impl, self.target)
         return self.memo[key]
 
-    def evict_ms(self, ev: EvictionConfig, capacity: int) -> vb.Stat:
+    def evict_ms(self, ev: EvictionConfig, capacity: int) -> Stat:
         """Milliseconds of one eviction event on a full cache (memoized per configuration)."""
         key = ("evict", ev, capacity)
         if key not in self.memo:
-            cfg, dtype = self.model.cfg, self.model.dtype
-            full = ev.budget + ev.buffer
-            box = [vb.filled_cache(cfg, self.batch, capacity, full, query_window(ev), dtype, self.args.seed,
-                                   framework.slot_state(ev), self.target)]
-            rkey, rows = jax.random.key(self.args.seed), jnp.arange(self.batch, dtype=jnp.int32)
-
-            def call():
-                box[0] = vb.evict_full(box[0], ev, rkey, rows, self.args.attention_impl)
-                return box[0].length
-
-            self.memo[key] = vb.time_runs(call, max(self.args.repeats, 5), 1).map(lambda s: s * 1e3)
+            cache = ds.filled_cache(self.model.cfg, self.batch, capacity, ev.budget + ev.buffer, query_window(ev),
+                                    self.model.dtype, self.args.seed, framework.slot_state(ev), self.target)
+            self.memo[key] = ds.evict_ms(cache, ev, max(self.args.repeats, 5), self.args.attention_impl,
+                                         self.args.seed)
         return self.memo[key]
-
-    def generate_config(self, n: int) -> vj.GenerateConfig:
-        return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
-                                 layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl)
 
     def compile_only(self, ev: EvictionConfig, n: int) -> dict:
         """Compile seconds and memory analysis of generate for one configuration, without running it."""
-        t = self.ids.shape[1]
-        raw_ids, raw_mask = self.ids[:, t - self.args.prompt_len:], self.mask[:, t - self.args.prompt_len:]
         start = time.perf_counter()
-        lowered = lower_generate(self.model, raw_ids, raw_mask, key=jax.random.key(0), config=self.generate_config(n),
-                                 eviction=ev)
+        lowered = lower_generate(self.model, *self.raw, key=self.key, config=self.generate_config(n), eviction=ev)
         lower_s = time.perf_counter() - start
         compiled = lowered.compile()
-        compile_s = time.perf_counter() - start
         mem = compiled.memory_analysis()
         return {"method": ev.method, "budget": ev.budget if ev.evicts else None, "output_len": n,
-                "capacity": framework.capacity_for(ev, t, n),
-                "lower_s": lower_s, "compile_s": compile_s, "hlo_lines": len(compiled.as_text().splitlines()),
+                "capacity": framework.capacity_for(ev, self.bucket, n), "lower_s": lower_s,
+                "compile_s": time.perf_counter() - start, "hlo_lines": len(compiled.as_text().splitlines()),
                 "temp_bytes": None if mem is None else mem.temp_size_in_bytes,
                 "argument_bytes": None if mem is None else mem.argument_size_in_bytes}
 
     def run(self, ev: EvictionConfig, n: int) -> tuple[dict, np.ndarray]:
         """Every figure of one (method, budget, output length); also returns the generated tokens."""
-        args, b, t = self.args, self.batch, self.ids.shape[1]
-        gen = self.generate_config(n)
-        capacity = framework.capacity_for(ev, t, n)
-        window = query_window(ev)
-        key = jax.random.key(args.seed)
-        graphdef = self.graphdef
-
-        def generate(state, ids, mask, key):
-            return vj.generate(nnx.merge(graphdef, state), ids, mask, key=key, config=gen, eviction=ev)
-
-        # generate gets the unpadded prompt and pads it to the bucket itself (which sets its cache capacity)
-        raw_ids, raw_mask = self.ids[:, t - args.prompt_len:], self.mask[:, t - args.prompt_len:]
-        start = time.perf_counter()
-        jitted = jax.jit(generate, compiler_options=self.target.compiler_options())  # as `generate` compiles
-        compiled = jitted.lower(self.state, raw_ids, raw_mask, key).compile()
-        compile_s = time.perf_counter() - start
-        mem = compiled.memory_analysis()
-        program_bytes = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                                  + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        args, b = self.args, self.batch
+        capacity, window = framework.capacity_for(ev, self.bucket, n), query_window(ev)
+        call, compile_s, program_bytes = self.program(self.generate_config(n), ev)
         last = {}
 
-        def call():
-            last["out"] = compiled(self.state, raw_ids, raw_mask, key)
+        def timed():
+            last["out"] = call()
             return last["out"]
 
-        total = vb.time_runs(call, args.repeats, args.warmup)
+        total = time_runs(timed, args.repeats, args.warmup)
         out = last.pop("out")
+        prefill = self.prefill(capacity, ev)
+        prefill_s = time_runs(prefill, args.repeats, 1)
+        reads, after, triggers = ds.row_replay(ev, args.prompt_len, n - 1)
+        tok_s = decode_rate(total, prefill_s, b * (n - 1))
         state = framework.slot_state(ev)
-        inputs = (graphdef, self.state, self.ids, self.mask, capacity, window, args.attention_impl, state,
-                  self.target)
-        prefill = vb.time_runs(lambda: vb.prefill(*inputs), args.repeats, 1)
-        cache0 = vb.prefill(*inputs)[1]
-        sched = vb.cache_schedule(ev, args.prompt_len, n)
-        tok_s = vb.decode_rate(total, prefill, b * (n - 1))
         step_start = self.step_ms(capacity, window, args.prompt_len, state)
-        step_end = self.step_ms(capacity, window, int(sched.slots_read[-1]) - 1, state)
+        step_end = self.step_ms(capacity, window, int(reads[-1]) - 1, state)
         evict = self.evict_ms(ev, capacity) if ev.evicts else None
         evict_per_step = evict.median / ev.buffer if evict is not None else 0.0
-        decode_s = total.median - prefill.median
-        overhead = None if decode_s <= 0 else sched.events * (evict.median if evict else 0.0) / 1e3 / decode_s
-        roof = vb.roofline(self.model, ev, sched, b, np.dtype(self.model.dtype).itemsize)  # bound added in main
+        decode_s = total.median - prefill_s.median
+        overhead = None if decode_s <= 0 else len(triggers) * (evict.median if evict else 0.0) / 1e3 / decode_s
         result = {
             "engine": "vase_jax", "method": ev.method, "budget": ev.budget if ev.evicts else None,
             "buffer": ev.buffer if ev.evicts else None, "output_len": n, "capacity": capacity,
-            "evictions": int(out.evictions), "evictions_expected": sched.events,
-            "cache_length_end": int(out.cache_length.max()), "cache_length_expected": sched.final_length,
-            "compile_s": compile_s, "total_s": total.as_dict(), "prefill_s": prefill.as_dict(),
-            "decode_tok_s": _dict(tok_s), "step_ms_start": step_start.as_dict(),
-            "step_ms_end": step_end.as_dict(),
+            "evictions": int(out.evictions), "evictions_expected": len(triggers),
+            "cache_length_end": int(out.cache_length.max()), "cache_length_expected": int(after[-1]),
+            "compile_s": compile_s, "total_s": total.as_dict(), "prefill_s": prefill_s.as_dict(),
+            "decode_tok_s": _dict(tok_s), "step_ms_start": step_start.as_dict(), "step_ms_end": step_end.as_dict(),
             "evict_ms": _dict(evict), "tok_s_start": b / step_start.median * 1e3,
             "tok_s_end": b / (step_end.median + evict_per_step) * 1e3, "evict_overhead": overhead,
-            "cache_bytes": cache_bytes(cache0), "program_bytes": program_bytes,
+            "cache_bytes": cache_bytes(prefill()[1]), "program_bytes": program_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "device_peak_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
-            "roofline": roof,
+            # the bound is added in main, after the bandwidth probe
+            "roofline": ds.roofline(self.model, ev, reads, len(triggers), b, np.dtype(self.model.dtype).itemsize),
         }
         if tok_s is None:
             print(f"bench.py: warning: {label(result)} n={n}: a run took no longer than the prefill, so no "
@@ -452,9 +450,7 @@ class Bench:
         import torch
 
         device = next(hf.parameters()).device
-        t = self.ids.shape[1] - self.args.prompt_len
-        ids = torch.tensor(np.asarray(self.ids[:, t:]), dtype=torch.long, device=device)
-        mask = torch.tensor(np.asarray(self.mask[:, t:]), dtype=torch.long, device=device)
+        ids, mask = (torch.tensor(np.asarray(x), dtype=torch.long, device=device) for x in self.raw)
         extra = {"cache_implementation": "static"} if cache_impl == "static" else {}
 
         def gen(m: int):
@@ -470,9 +466,9 @@ class Bench:
             last["out"] = gen(n)
 
         with torch.inference_mode():
-            total = vb.time_runs(call, self.args.repeats, self.args.warmup)
-            prefill = vb.time_runs(lambda: gen(1), self.args.repeats, 1)
-        tok_s = vb.decode_rate(total, prefill, self.batch * (n - 1))
+            total = time_runs(call, self.args.repeats, self.args.warmup)
+            prefill = time_runs(lambda: gen(1), self.args.repeats, 1)
+        tok_s = decode_rate(total, prefill, self.batch * (n - 1))
         result = {"engine": "hf", "cache": cache_impl, "output_len": n, "total_s": total.as_dict(),
                   "prefill_s": prefill.as_dict(), "decode_tok_s": _dict(tok_s), "device": str(device),
                   "attn_implementation": getattr(hf.config, "_attn_implementation", None),
@@ -480,7 +476,27 @@ class Bench:
         return result, last["out"][:, ids.shape[1]:].cpu().numpy()
 
 
-def _dict(stat: vb.Stat | None) -> dict | None:
+def to_hf(model: vj.Qwen3, torch_dtype=None):
+    """A `transformers.Qwen3ForCausalLM` holding `model`'s weights (eval mode), of the same shape."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vase_jax import weights
+
+    c = model.cfg
+    hf = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, max_position_embeddings=c.max_position_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
+    exported = weights.hf_state_dict(weights.flat_params(model), c)
+    hf.load_state_dict({k: torch.from_numpy(np.array(v, np.float32, copy=True)) for k, v in exported.items()},
+                       strict=True)
+    return hf.to(torch_dtype or torch.float32)
+
+
+def _dict(stat: Stat | None) -> dict | None:
     return None if stat is None else stat.as_dict()
 
 
@@ -569,9 +585,8 @@ def markdown(result: dict) -> str:
         f"{meta['param_bytes'] / mib:.0f} MiB of weights; batch {meta['batch']}, prompt {meta['prompt_len']} "
         f"tokens (bucket {meta['prompt_bucket']}); {meta['repeats']} timed runs after {meta['warmup']} "
         "warm-up.",
-        f"Read bandwidth: numpy {bw['numpy_read'] / 1e9:.1f} GB/s, jax {bw['jax_read'] / 1e9:.1f} GB/s (jax "
-        f"in-place copy {bw['jax_copy'] / 1e9:.1f} GB/s read + write); the roofline uses "
-        f"{bw['used'] / 1e9:.1f} GB/s.",
+        f"Bandwidth (`timing.bandwidth`): read {bw['read'] / 1e9:.1f} GB/s (the roofline's), in-place copy "
+        f"{bw['copy'] / 1e9:.1f} GB/s read + write.",
         "",
         "| method | out len | decode tok/s med [min-max] | tok/s start | tok/s end | step ms start "
         "| step ms end | prefill ms | compile s | evict ms/event | events | evict overhead | cache MiB "
@@ -619,85 +634,26 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(result: dict, out: Path) -> list[Path]:
-    """tokens_per_s.png (decode tokens/s vs output length) and memory.png (cache and program bytes)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench.py: warning: matplotlib is not installed; no plots", file=sys.stderr)
-        return []
-    groups = _by_label(result["runs"] + result["hf"])
-    title = f"{result['meta']['model']}, batch {result['meta']['batch']}"
-    files = []
-    for fname, ylabel in (("tokens_per_s.png", "decode tokens/s (median)"), ("memory.png", "MiB")):
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        for name, rs in groups.items():
-            xs = [r["output_len"] for r in rs]
-            if fname == "tokens_per_s.png":
-                ys = [_median(r["decode_tok_s"]) for r in rs]
-                ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=name)
-            elif rs[0]["engine"] == "vase_jax":
-                (line,) = ax.plot(xs, [r["cache_bytes"] / 2**20 for r in rs], marker="o",
-                                  label=f"{name}: cache")
-                if rs[0]["program_bytes"] is not None:
-                    ax.plot(xs, [r["program_bytes"] / 2**20 for r in rs], marker="s", ls="--",
-                            color=line.get_color(), label=f"{name}: program peak")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set(xlabel="output length (new tokens per row)", ylabel=ylabel, title=title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-        files.append(out / fname)
-    return files
-
-
 def _json_default(x):
     return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
-def device_desc() -> str:
-    """The accelerator the programs run on: its kind and backend, e.g. "NVIDIA H200 (gpu)" or "cpu (cpu)"."""
-    return f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
-
-
-def layer_loop_of(args, model) -> str:
-    """The layer loop `generate` runs with --layer-loop on the model's platform."""
-    return generate_target(model, vj.GenerateConfig(layer_loop=args.layer_loop)).layer_loop
-
-
-def compile_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+def compile_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
     """--compile-only: one line per configuration, and results.json / results.md under --out."""
-    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
-    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
-    bench = Bench(args, model, ids, mask)
     rows = [bench.compile_only(ev, args.output_lens[0]) for ev in configs]
-    layer = model.cfg.num_layers
-    lines = [f"Compile of generate: {model_desc}, {jnp.dtype(model.dtype).name}, batch {args.batch}, prompt "
-             f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {layer_loop_of(args, model)}; "
-             f"device {device_desc()}, host CPU {vb.cpu_model()}, jax {jax.__version__}, load {load_start[0]:.2f} -> "
-             f"{os.getloadavg()[0]:.2f}",
-             "", "| method | budget | capacity | compile s (lower s) | HLO lines | temporaries MiB |",
-             "|---|---|---|---|---|---|"]
+    m = machine(load_start)
+    lines = [f"Compile of generate: {model_desc}, {jnp.dtype(bench.model.dtype).name}, batch {args.batch}, prompt "
+             f"{args.prompt_len}, {args.output_lens[0]} new tokens, layer loop {bench.target.layer_loop}; device "
+             f"{m['device']}, host CPU {m['cpu_model']}, jax {m['jax']}, load {m['load_start'][0]} -> "
+             f"{m['load_end'][0]}", "", "| method | budget | capacity | compile s (lower s) | HLO lines | "
+             "temporaries MiB |", "|---|---|---|---|---|---|"]
     for r in rows:
-        temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
         lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['capacity']} | {r['compile_s']:.1f} "
-                     f"({r['lower_s']:.1f}) | {r['hlo_lines']} | {temp} |")
-    text = "\n".join(lines)
+                     f"({r['lower_s']:.1f}) | {r['hlo_lines']} | {_num(r['temp_bytes'], '.1f', 2**-20)} |")
+    text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model_desc, "layers": layer, "device": device_desc(), "cpu_model": vb.cpu_model(),
-                "jax": jax.__version__,
-                "load_start": list(load_start), "load_end": list(os.getloadavg())}
-        (out / "results.json").write_text(json.dumps({"meta": meta, "compile": rows}, indent=1))
-        (out / "results.md").write_text(text + "\n")
+    write_results(args.out, {"meta": m | {"model": model_desc, "layers": bench.model.cfg.num_layers},
+                             "compile": rows}, text)
     return 0
 
 
@@ -746,8 +702,9 @@ def run_continuous(model, prompts, keys, caps, rows: int, config, ev) -> dict:
             "utilization": stats.utilization, "segments": stats.segments}
 
 
-def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+def spread_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
     """Static vs continuous batching on the spread workload, per method: results.json / results.md in --out."""
+    model = bench.model
     longest = args.output_lens[0]
     caps = spread_caps(args.spread_samples, longest, args.seed)
     rng = np.random.default_rng(args.seed + 1)
@@ -770,7 +727,7 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
                 seconds[name].append(time.perf_counter() - start)
         for name, _ in schedulers:
             r = row[name]
-            r["seconds"] = vb.Stat.of(seconds[name]).as_dict()
+            r["seconds"] = Stat.of(seconds[name]).as_dict()
             r["tok_s"] = r["tokens"] / r["seconds"]["median"]
             r["events_per_1k_tokens"] = 1e3 * r["events"] / r["tokens"]
         # per repeat, continuous over the static run next to it
@@ -783,21 +740,16 @@ def spread_report(args, model, model_desc: str, configs: list[EvictionConfig], l
         print(f"{label(row):>20} static {s['tok_s']:.1f} tok/s (util {s['utilization']:.2f}, {s['events']} events)"
               f" | continuous {c['tok_s']:.1f} tok/s (util {c['utilization']:.2f}, {c['events']} events) | "
               f"{row['speedup']:.2f}x (steps {row['step_ratio']:.2f}x)", flush=True)
-    result = {"meta": {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
-                       "batch": args.batch, "prompt_len": args.prompt_len, "longest": longest,
-                       "samples": len(caps), "mean_output": float(caps.mean()), "cpu_model": vb.cpu_model(),
-                       "device": device_desc(),
-                       "load_start": [round(x, 2) for x in load_start],
-                       "load_end": [round(x, 2) for x in os.getloadavg()]},
-              "spread": runs}
+    result = {"meta": machine(load_start) | {
+        "command": args.command, "model": model_desc, "batch": args.batch, "prompt_len": args.prompt_len,
+        "longest": longest, "samples": len(caps), "mean_output": float(caps.mean())}, "spread": runs}
     lines = ["| method | static tok/s | static util | continuous tok/s | continuous util | speed-up | step ratio | "
              "events/1k tok static | continuous |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s, c = r["static"], r["continuous"]
         lines.append(f"| {label(r)} | {s['tok_s']:.1f} | {s['utilization']:.2f} | {c['tok_s']:.1f} | "
                      f"{c['utilization']:.2f} | {r['speedup']:.2f}x | {r['step_ratio']:.2f}x | "
-                     f"{s['events_per_1k_tokens']:.2f} | "
-                     f"{c['events_per_1k_tokens']:.2f} |")
+                     f"{s['events_per_1k_tokens']:.2f} | {c['events_per_1k_tokens']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     write_results(args.out, result, text)
@@ -853,8 +805,8 @@ AIME25_HOW = {
     "window tok/s": "rows * L / seconds of the longest lockstep window (rows samples of L tokens, one round)",
     "check s": "a continuous run of min(samples, 3 * rows) drawn samples, lengths scaled to the time left, "
     "measured (and predicted by the fitted model)",
-    "steps, utilization": "the engine's schedule of the drawn lengths, simulated (vase_jax.bench.simulate_engine): "
-    "decode steps, and the samples' decode row-steps / (rows * steps)",
+    "steps, utilization": "the engine's schedule of the drawn lengths, simulated (workload.simulate_engine): decode "
+    "steps, and the samples' decode row-steps / (rows * steps)",
     "tok/s, projected wall": "tokens / T and T, T from the projection's formula (results.json also holds T with "
     "slot_reads counted the other way: protocol.seconds_if_own / seconds_if_longest)",
     "peak memory": "the device's memory_stats() peak_bytes_in_use after the method (the process's peak so far), "
@@ -862,9 +814,10 @@ AIME25_HOW = {
 }
 
 
-def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
-    """--workload aime25: `vb.aime25_workload`, writing results.json / results.md under --out after each method."""
-    shape = vb.AIME25 if args.scale == "protocol" else vb.AIME25_TINY
+def aime25_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """--workload aime25: `workload.aime25_workload`, writing results.json / results.md under --out after each
+    method."""
+    shape = wl.AIME25 if args.scale == "protocol" else wl.AIME25_TINY
     result = {"meta": {}, "methods": []}
 
     def write(so_far: dict):
@@ -878,18 +831,15 @@ def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], l
                   attention_impl=args.attention_impl, layer_loop=args.layer_loop, deadline=args.deadline)
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
-    result["meta"] = {"command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model_desc": model_desc,
-                      "device": device_desc(), "cpu_model": vb.cpu_model(), "jax": jax.__version__,
-                      "allocator_limit_bytes": (stats or {}).get("bytes_limit"),
-                      "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-                      "load_start": [round(x, 2) for x in load_start], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result["meta"] = machine(load_start) | {
+        "command": args.command, "model_desc": model_desc, "allocator_limit_bytes": (stats or {}).get("bytes_limit"),
+        "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
     try:
-        out = vb.aime25_workload(model, configs, on_method=write, log=lambda m: print(m, flush=True), **kwargs)
+        out = wl.aime25_workload(bench.model, configs, on_method=write, log=lambda m: print(m, flush=True), **kwargs)
     except ValueError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
-    result.update(meta=out["meta"] | result["meta"] | {"load_end": [round(x, 2) for x in os.getloadavg()]},
-                  methods=out["methods"])
+    result.update(meta=out["meta"] | result["meta"] | machine(load_start), methods=out["methods"])
     text = aime25_markdown(result)
     print(text)
     write_results(args.out, result, text)
@@ -898,123 +848,79 @@ def aime25_report(args, model, model_desc: str, configs: list[EvictionConfig], l
 
 def kv_settings(text: str) -> list[str]:
     """--kv-bits as canonical `KVBits` names, bf16 first (ValueError naming the flag)."""
-    from vase_jax.kvquant import KVBits
-
     names = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         try:
             names.append(KVBits.parse(item).validate().name)
         except ValueError as e:
             raise ValueError(f"--kv-bits: {e}") from None
-    names = list(dict.fromkeys(["K16V16", *names]))
-    return names
+    return list(dict.fromkeys(["K16V16", *names]))
 
 
-def kv_report(args, model, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
-    """--kv-bits: per method, budget and cache setting (with the default protection and with P = 0), the
-    bytes of a cached token, the cache, the program's peak, and generate's decode tokens/s (total minus the
-    prefill's share, as `decode_tok_s`), each setting's runs interleaved with the others' (`--repeats` rounds)."""
-    from vase_jax.generate import GenerateConfig, generate_tiers, prefill
-    from vase_jax.kvquant import KVBits, token_bytes
-    from vase_jax.tiers import init_tiered_cache
+def kv_variants(bench: Bench, ev: EvictionConfig, n: int) -> list[tuple[str, int | None, vj.GenerateConfig]]:
+    """(setting, 16-bit slots P or None, config) per --kv-bits setting: the default protection, and P = 0 where
+    that protects slots."""
+    out = []
+    for name in bench.args.kv_bits:
+        kv, config = KVBits.parse(name), bench.generate_config(n)
+        if not kv.quantizes:
+            out.append((name, None, config))
+            continue
+        config = dataclasses.replace(config, key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
+                                     kv_refine=kv.refine)
+        protected = generate_tiers(bench.model.cfg, config, ev, bench.bucket).protected
+        out.append((name, protected, config))
+        if protected:
+            out.append((name, 0, dataclasses.replace(config, kv_protected=0)))
+    return out
 
-    n = args.output_lens[0]
-    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
-    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
-    t = ids.shape[1]
-    raw_ids, raw_mask = ids[:, t - args.prompt_len:], mask[:, t - args.prompt_len:]
-    graphdef, state = nnx.split(model)
-    target = generate_target(model, gen0)
-    cfg = model.cfg
-    def measure(ev: EvictionConfig) -> list[dict]:
-        rows = []
-        variants = []
-        for name in args.kv_bits:
-            kv = KVBits.parse(name)
-            base = GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
-                                  layer_loop=args.layer_loop, attention_impl=args.attention_impl)
-            if not kv.quantizes:
-                variants.append((name, None, base))
-                continue
-            config = dataclasses.replace(base, key_bits=kv.key_bits, value_bits=kv.value_bits,
-                                         kv_group=kv.key_group, kv_refine=kv.refine)
-            layout = generate_tiers(cfg, config, ev, t)
-            variants.append((name, layout.protected, config))
-            if layout.protected:
-                variants.append((name, 0, dataclasses.replace(config, kv_protected=0)))
-        entries = []
-        for name, protected, config in variants:
-            def run(state, ids, mask, key, config=config):
-                return vj.generate(nnx.merge(graphdef, state), ids, mask, key=key, config=config, eviction=ev)
 
-            start = time.perf_counter()
-            compiled = jax.jit(run, compiler_options=target.compiler_options()).lower(
-                state, raw_ids, raw_mask, jax.random.key(args.seed)).compile()
-            compile_s = time.perf_counter() - start
-            mem = compiled.memory_analysis()
-            kv = KVBits.parse(name)
-            if kv.quantizes:
-                layout = generate_tiers(cfg, config, ev, t)
-                capacity, slots = layout, layout.virtual_slots
-                cache = jax.eval_shape(lambda layout=layout: init_tiered_cache(
-                    cfg, args.batch, layout, query_window(ev), model.dtype, framework.slot_state(ev), target))
-            else:
-                capacity = slots = framework.capacity_for(ev, t, n)
-                cache = jax.eval_shape(lambda capacity=capacity: init_cache(
-                    cfg, args.batch, capacity, query_window(ev), model.dtype, framework.slot_state(ev), target))
-            pre = jax.jit(lambda st, i, m, capacity=capacity: prefill(
-                nnx.merge(graphdef, st), i, m, capacity, query_window(ev), args.attention_impl,
-                framework.slot_state(ev), None, target))
-            entries.append(dict(name=name, protected=protected, compiled=compiled, prefill=pre, totals=[],
-                                prefills=[], row={
-                "method": ev.method, "budget": ev.budget if ev.evicts else None, "kv_bits": name,
-                "protected": protected, "output_len": n, "slots": slots, "compile_s": compile_s,
-                "token_bytes": token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim),
-                                           jnp.dtype(model.dtype).itemsize),
-                "cache_bytes": cache_bytes(cache),
-                "program_bytes": None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)}))
-        for e in entries:  # warm-up
-            jax.block_until_ready(e["compiled"](state, raw_ids, raw_mask, jax.random.key(args.seed)))
-            jax.block_until_ready(e["prefill"](state, ids, mask))
-        for _ in range(args.repeats):  # interleaved: drift hits every setting alike
-            for e in entries:
-                e["totals"].append(vb.time_runs(lambda e=e: e["compiled"](
-                    state, raw_ids, raw_mask, jax.random.key(args.seed)), 1).median)
-                e["prefills"].append(vb.time_runs(lambda e=e: e["prefill"](state, ids, mask), 1).median)
-        ref_tokens = None
+def kv_rows(bench: Bench, ev: EvictionConfig, n: int) -> list[dict]:
+    """One row per `kv_variants` entry: bytes of a cached token, of the cache and of the program's peak, decode
+    tokens/s as `decode_tok_s` (the settings' runs interleaved, `--repeats` rounds: drift hits every setting
+    alike) and the share of tokens equal to the 16-bit cache's."""
+    cfg, itemsize, entries = bench.model.cfg, jnp.dtype(bench.model.dtype).itemsize, []
+    for name, protected, config in kv_variants(bench, ev, n):
+        call, compile_s, program_bytes = bench.program(config, ev)
+        capacity = (generate_tiers(cfg, config, ev, bench.bucket) if KVBits.parse(name).quantizes else
+                    framework.capacity_for(ev, bench.bucket, n))
+        prefill = bench.prefill(capacity, ev)
+        jax.block_until_ready((call(), prefill()))  # warm-up
+        entries.append(dict(call=call, prefill=prefill, totals=[], prefills=[], row={
+            "method": ev.method, "budget": ev.budget if ev.evicts else None, "kv_bits": name, "protected": protected,
+            "output_len": n, "slots": getattr(capacity, "virtual_slots", capacity), "compile_s": compile_s,
+            "token_bytes": token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), itemsize),
+            "cache_bytes": cache_bytes(jax.eval_shape(prefill)[1]), "program_bytes": program_bytes}))
+    for _ in range(bench.args.repeats):
         for e in entries:
-            out = e["compiled"](state, raw_ids, raw_mask, jax.random.key(args.seed))
-            tokens = np.asarray(out.tokens)
-            if ref_tokens is None:
-                ref_tokens = tokens
-            total, pre = float(np.median(e["totals"])), float(np.median(e["prefills"]))
-            decode = total - pre
-            r = e["row"] | {"total_s": total, "prefill_s": pre,
-                            "decode_tok_s": args.batch * (n - 1) / decode if decode > 0 else None,
-                            "tokens_agree_with_bf16": float((tokens == ref_tokens).mean())}
-            rows.append(r)
-            p = "-" if r["protected"] is None else r["protected"]
-            print(f"{vb.method_label(ev):>16} {r['kv_bits']:>7} P={p:<5} {r['token_bytes']:4d} B/token, cache "
-                  f"{r['cache_bytes'] / 2**20:8.2f} MiB, program "
-                  f"{_num(r['program_bytes'], '.1f', 2**-20, ' MiB')}, decode {_num(r['decode_tok_s'])} tok/s, "
-                  f"agree {100 * r['tokens_agree_with_bf16']:.0f}%", flush=True)
-        return rows
+            e["totals"].append(time_runs(e["call"], 1).median)
+            e["prefills"].append(time_runs(e["prefill"], 1).median)
+    rows, reference = [], None
+    for e in entries:
+        tokens = np.asarray(e["call"]().tokens)
+        reference = tokens if reference is None else reference
+        rate = decode_rate(Stat.of(e["totals"]), Stat.of(e["prefills"]), bench.batch * (n - 1))
+        r = e["row"] | {"total_s": float(np.median(e["totals"])), "prefill_s": float(np.median(e["prefills"])),
+                        "decode_tok_s": None if rate is None else rate.median,
+                        "tokens_agree_with_bf16": float((tokens == reference).mean())}
+        rows.append(r)
+        print(f"{wl.method_label(ev):>16} {r['kv_bits']:>7} P={'-' if r['protected'] is None else r['protected']:<5} "
+              f"{r['token_bytes']:4d} B/token, cache {r['cache_bytes'] / 2**20:8.2f} MiB, program "
+              f"{_num(r['program_bytes'], '.1f', 2**-20, ' MiB')}, decode {_num(r['decode_tok_s'])} tok/s, "
+              f"agree {100 * r['tokens_agree_with_bf16']:.0f}%", flush=True)
+    return rows
 
+
+def kv_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """--kv-bits: `kv_rows` per method and budget at the first --output-lens, results.json / results.md."""
     rows = []
     for ev in configs:
-        rows += measure(ev)
+        rows += kv_rows(bench, ev, args.output_lens[0])
         release_programs_near_mapping_limit()
-    load_end = os.getloadavg()
-    result = {"meta": {
-        "command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]), "model": model_desc,
-        "dtype": jnp.dtype(model.dtype).name, "batch": args.batch, "prompt_len": args.prompt_len,
-        "output_len": n, "repeats": args.repeats, "attention_impl": args.attention_impl,
-        "cpu_model": vb.cpu_model(), "device": device_desc(), "jax": jax.__version__,
-        "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in load_end],
-        "load_warning": vb.load_warning(max(load_start[0], load_end[0])),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }, "kv": rows}
+    result = {"meta": machine(load_start) | {
+        "command": args.command, "model": model_desc, "dtype": jnp.dtype(bench.model.dtype).name,
+        "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_lens[0],
+        "repeats": args.repeats, "attention_impl": args.attention_impl}, "kv": rows}
     text = kv_markdown(result)
     print(text)
     write_results(args.out, result, text)
@@ -1046,8 +952,66 @@ def kv_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
+    """The default mode: `Bench.run` per method, budget and output length (and HF's generate with --compare-hf),
+    the bandwidth roofline, segments and summary; results.json / results.md under --out."""
+    model = bench.model
+    print(f"model {model_desc}: {ds.param_bytes(model) / 2**20:.0f} MiB of weights", flush=True)
+    runs, hf_runs, full_tokens = [], [], {}
+    for ev in configs:
+        for n in args.output_lens:
+            r, tokens = bench.run(ev, n)
+            release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
+            runs.append(r)
+            if ev.method == "full":
+                full_tokens[n] = (r, tokens)
+            print(f"{label(r):>20} n={n:<6} decode {_fmt(r['decode_tok_s'])} tok/s; micro start "
+                  f"{r['tok_s_start']:.1f} end {r['tok_s_end']:.1f}; {r['evictions']} evictions, overhead "
+                  f"{_num(r['evict_overhead'], '.1f', 100, '%')}; cache {r['cache_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+    if args.compare_hf:
+        import torch
+
+        hf = to_hf(model, getattr(torch, jnp.dtype(model.dtype).name))
+        if jax.default_backend() == "gpu" and torch.cuda.is_available():
+            hf = hf.to("cuda")
+        for n in args.output_lens:
+            for impl in args.hf_caches:
+                h, tokens = bench.run_hf(hf, n, impl)
+                if n in full_tokens:
+                    ours, ours_tokens = full_tokens[n]
+                    h["tokens_equal_to_ours"] = float((tokens == ours_tokens).mean())
+                    a, c = _median(ours["decode_tok_s"]), _median(h["decode_tok_s"])
+                    h["ratio_decode"] = a / c if a and c else None
+                    h["ratio_total"] = h["total_s"]["median"] / ours["total_s"]["median"]
+                hf_runs.append(h)
+                print(f"{label(h):>20} n={n:<6} decode {_fmt(h['decode_tok_s'])} tok/s; ours / HF "
+                      f"{_num(h.get('ratio_decode'), '.2f', suffix='x')}", flush=True)
+
+    bw = bandwidth(args.bandwidth_mib << 20, args.repeats)  # last, so that its arrays are not in the runs' peak RSS
+    for r in runs:
+        roof = r["roofline"]
+        roof["bound_tok_s"] = args.batch * bw["read"] / roof["bytes_step_mean"]
+        tok_s = _median(r["decode_tok_s"])
+        roof["achieved_over_bound"] = None if tok_s is None else tok_s / roof["bound_tok_s"]
+    segs = segments(runs, args.batch)
+    meta = machine(load_start) | {
+        "command": args.command, "model": model_desc, "config": dataclasses.asdict(model.cfg),
+        "dtype": jnp.dtype(model.dtype).name, "param_bytes": ds.param_bytes(model), "batch": args.batch,
+        "prompt_len": args.prompt_len, "prompt_bucket": bench.bucket, "repeats": args.repeats, "warmup": args.warmup,
+        "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
+        "layer_loop": bench.target.layer_loop}
+    result = {"meta": meta, "bandwidth": bw, "how": HOW, "runs": runs, "hf": hf_runs, "segments": segs,
+              "summary": summary(runs, segs, args.prompt_len)}
+    text = markdown(result)
+    print(text)
+    write_results(args.out, result, text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.command = " ".join(["python", "-m", "benchmarks.bench", *(sys.argv[1:] if argv is None else argv)])
     try:
         configs = check_args(args)
         if args.workload == "aime25":  # the batch fills the device: let JAX's allocator have most of it
@@ -1071,88 +1035,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.no_compile_cache or args.compile_only):  # compile_s is then a compile or a cache load
         enable_compilation_cache(args.compile_cache)
     load_start = os.getloadavg()
-    warning = vb.load_warning(load_start[0])
+    warning = load_warning(load_start[0])
     if warning:
         print(f"bench.py: warning: {warning}", file=sys.stderr, flush=True)
-    print(f"device {device_desc()}, host CPU {vb.cpu_model()}, load {load_start[0]:.2f}; layer loop "
-          f"{layer_loop_of(args, model)}", flush=True)
-    if args.compile_only:
-        return compile_report(args, model, model_desc, configs, load_start)
-    if args.spread_samples:
-        return spread_report(args, model, model_desc, configs, load_start)
-    if args.workload == "aime25":
-        return aime25_report(args, model, model_desc, configs, load_start)
-    if args.kv_bits:
-        return kv_report(args, model, model_desc, configs, load_start)
-    gen0 = vj.GenerateConfig(max_new_tokens=2, eos_token_ids=(), pad_token_id=0)
-    ids, mask = vb.random_prompt(model.cfg.vocab_size, args.batch, args.prompt_len, gen0, args.seed)
-    bench = Bench(args, model, ids, mask)
-    print(f"model {model_desc}: {vb.param_bytes(model) / 2**20:.0f} MiB of weights", flush=True)
-
-    runs, hf_runs, full_tokens = [], [], {}
-    for ev in configs:
-        for n in args.output_lens:
-            r, tokens = bench.run(ev, n)
-            release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
-            runs.append(r)
-            if ev.method == "full":
-                full_tokens[n] = (r, tokens)
-            print(f"{label(r):>20} n={n:<6} decode {_fmt(r['decode_tok_s'])} tok/s; micro start "
-                  f"{r['tok_s_start']:.1f} end {r['tok_s_end']:.1f}; {r['evictions']} evictions, overhead "
-                  f"{_num(r['evict_overhead'], '.1f', 100, '%')}; cache {r['cache_bytes'] / 2**20:.1f} MiB",
-                  flush=True)
-    if args.compare_hf:
-        import torch
-
-        hf = vb.to_hf(model, getattr(torch, jnp.dtype(dtype).name))
-        if jax.default_backend() == "gpu" and torch.cuda.is_available():
-            hf = hf.to("cuda")
-        for n in args.output_lens:
-            for impl in args.hf_caches:
-                h, tokens = bench.run_hf(hf, n, impl)
-                if n in full_tokens:
-                    ours, ours_tokens = full_tokens[n]
-                    h["tokens_equal_to_ours"] = float((tokens == ours_tokens).mean())
-                    a, c = _median(ours["decode_tok_s"]), _median(h["decode_tok_s"])
-                    h["ratio_decode"] = a / c if a and c else None
-                    h["ratio_total"] = h["total_s"]["median"] / ours["total_s"]["median"]
-                hf_runs.append(h)
-                print(f"{label(h):>20} n={n:<6} decode {_fmt(h['decode_tok_s'])} tok/s; ours / HF "
-                      f"{_num(h.get('ratio_decode'), '.2f', suffix='x')}", flush=True)
-
-    # measured last, so that its large arrays do not count in the runs' peak RSS
-    bw = vb.bandwidth(args.bandwidth_mib << 20, args.repeats)
-    bw["used"] = max(bw["numpy_read"], bw["jax_read"])
-    for r in runs:
-        roof = r["roofline"]
-        roof["bound_tok_s"] = args.batch * bw["used"] / roof["bytes_step_mean"]
-        tok_s = _median(r["decode_tok_s"])
-        roof["achieved_over_bound"] = None if tok_s is None else tok_s / roof["bound_tok_s"]
-    segs = segments(runs, args.batch)
-    result = {
-        "meta": {
-            "command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
-            "model": model_desc, "config": dataclasses.asdict(model.cfg), "dtype": jnp.dtype(dtype).name,
-            "param_bytes": vb.param_bytes(model), "batch": args.batch, "prompt_len": args.prompt_len,
-            "prompt_bucket": int(ids.shape[1]), "repeats": args.repeats, "warmup": args.warmup,
-            "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
-            "layer_loop": layer_loop_of(args, model), "cpu_model": vb.cpu_model(),
-            "load_warning": vb.load_warning(load_start[0]),
-            "device": device_desc(),
-            "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "load_start": [round(x, 2) for x in load_start],
-            "load_end": [round(x, 2) for x in os.getloadavg()],
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
-        "bandwidth": bw, "how": HOW, "runs": runs, "hf": hf_runs, "segments": segs,
-        "summary": summary(runs, segs, args.prompt_len),
-    }
-    text = markdown(result)
-    print(text)
-    write_results(args.out, result, text)
-    if args.out and not args.no_plots:
-        plots(result, Path(args.out))
-    return 0
+    bench = Bench(args, model)
+    print(f"device {device_desc()}, load {load_start[0]:.2f}; layer loop {bench.target.layer_loop}", flush=True)
+    report = (compile_report if args.compile_only else spread_report if args.spread_samples else
+              aime25_report if args.workload == "aime25" else kv_report if args.kv_bits else decode_report)
+    return report(args, bench, model_desc, configs, load_start)
 
 
 if __name__ == "__main__":

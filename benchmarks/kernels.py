@@ -9,8 +9,7 @@ layers in turn (at least 4 calls), each call reading its own layer in place and 
 as its query (the data dependency keeps the calls in order, and adds no operation), and a `fori_loop` repeats the
 pass. The per-call time is the program's best time over `--repeats` runs divided by the calls. Bytes read per
 call: K, V and pos of the used slots, q and the output (what the operation must move at least once); GB/s and the
-fraction of the device's read bandwidth (a jitted sum over `--copy-mib` MiB) and of its copy bandwidth ((read +
-write) bytes of `x + 1`).
+fraction of the device's read and copy bandwidth (`benchmarks.timing.bandwidth` over `--copy-mib` MiB).
 
 The window score is timed the same way over copies of its keys. It is compute-bound, not memory-bound: every key
 meets group x window query rows (256 for Qwen3-8B with a 64-query window), twice in the Triton kernel (statistics,
@@ -19,12 +18,13 @@ then mass), so its rows also give TFLOP/s of one q.k per (query row, key).
 Kernels: the Triton kernels on a GPU, the Mosaic TPU kernels on a TPU. On CPU only the references run, unless
 `--interpret` is given (then both kernel families run in interpret mode: very slow, for checking only).
 
-    python scripts/bench_kernels.py                     # small defaults on CPU, full sweep on GPU / TPU
-    python scripts/bench_kernels.py --lengths 1024,8192 --batches 1,8 --json out.json
-    python scripts/bench_kernels.py --sweep-budget 90 --batches 16,128 --lengths 2048,4096 --group 5
+    python -m benchmarks.kernels                     # small defaults on CPU, full sweep on GPU / TPU
+    python -m benchmarks.kernels --lengths 1024,8192 --batches 1,8 --json out.json
+    python -m benchmarks.kernels --sweep-budget 90 --batches 16,128 --lengths 2048,4096 --group 5
 
-`sweep_decode(shapes, candidates, seconds_budget)` (also from another script) times the decode kernel's launch
-parameters per shape and returns JSON-able results with the best per shape and `decode_tuning.TABLE` rows to paste.
+`sweep_decode(shapes, candidates, seconds_budget)` (also the device check's sweep phase) times the decode kernel's
+launch parameters per shape and returns JSON-able results with the best per shape and `decode_tuning.TABLE` rows to
+paste.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, time_runs
 from pallas_kernels import decode_tuning, dispatch
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
@@ -166,44 +167,6 @@ def passes_for(bytes_per_pass: int, calls_per_pass: int, bandwidth: float, targe
     return int(min(10_000, max(1, math.ceil(target_s / pass_s))))
 
 
-def best_time(run: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `run()` (synchronized) over `repeats` runs, after one warm-up run."""
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-    """Device read bandwidth in bytes/s: a jitted sum over `num_bytes` of float32 (best of `repeats`)."""
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return num_bytes / best_time(functools.partial(total, x), repeats)
-
-
-def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-    """Device copy bandwidth in bytes/s: (read + write) bytes of `x + 1` over a float32 array, in place (donated:
-    each run rewrites the same buffer, no fresh pages), median of `repeats`."""
-    fn = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    box = [jnp.zeros((num_bytes // 4,), jnp.float32)]
-
-    def run():
-        box[0] = fn(box[0])
-        return box[0]
-
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(max(repeats, 3)):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    del box[0]
-    return 2 * num_bytes / statistics.median(times)
-
-
 @dataclasses.dataclass
 class DecodeBench:
     """A shape's stacked cache on the device, and its timed programs: `lower(attend)` builds one for an
@@ -240,7 +203,7 @@ class DecodeBench:
 
     def time(self, compiled, calls: int) -> float:
         """Seconds per call of a compiled program of `calls` calls."""
-        return best_time(lambda: compiled(*self.inputs), self.repeats) / calls
+        return time_runs(lambda: compiled(*self.inputs), self.repeats, warmup=1).min / calls
 
     def row(self, seconds: float, calls: int) -> dict:
         num_bytes = self.shape.bytes_read()
@@ -372,8 +335,8 @@ def sweep_decode(
         params (`_search`: split rules of `decode_tuning.SWEEP_PROGRAMS_PER_SM`, launches of `SWEEP_LAUNCHES`).
       seconds_budget: the shapes share it evenly (what one leaves goes to the next); a shape's candidates stop
         when its share is spent (a shape always gets its table params timed while any budget is left).
-      read_bandwidth_bytes_s: the device's read bandwidth for the fractions; None: measured here (a 2 GiB sum on
-        a GPU).
+      read_bandwidth_bytes_s: the device's read bandwidth for the fractions; None: measured here (`bandwidth`
+        over `DEVICE_PROBE_BYTES` on a GPU).
       interpret: run the Triton kernel in interpret mode; default: off a GPU (CPU tests: tiny shapes only).
       target_ms: length of one timed program (calls x per-call time); dispatch is paid once per program.
       device_kind: the table's kind for the table params and rows; default: `decode_tuning.current_device_kind()`.
@@ -391,7 +354,7 @@ def sweep_decode(
     sms = decode_tuning.sm_count(kind)
     shapes = [DecodeShape.of(s) for s in shapes]
     if read_bandwidth_bytes_s is None:
-        read_bandwidth_bytes_s = read_bandwidth((2 << 30) if on_gpu else (64 << 20))
+        read_bandwidth_bytes_s = bandwidth(DEVICE_PROBE_BYTES if on_gpu else 64 << 20)["read"]
     log(f"decode sweep on {kind} ({sms} SMs), {'interpret mode, ' if interpret else ''}read bandwidth "
         f"{read_bandwidth_bytes_s / 1e9:.0f} GB/s, {len(shapes)} shapes, budget {seconds_budget:.0f} s")
     out = []
@@ -543,7 +506,7 @@ def time_scores(fn: Callable, batch: int, length: int, args, dtype, *, bandwidth
         return q
 
     program = jax.jit(lambda q: lax.fori_loop(0, passes, one_pass, q))
-    return best_time(lambda: program(queries), args.repeats) / (passes * copies), num_bytes
+    return time_runs(lambda: program(queries), args.repeats, warmup=1).min / (passes * copies), num_bytes
 
 
 def main(argv=None) -> list[dict]:
@@ -568,13 +531,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--score-block-keys", type=int, default=64, help="Triton score kernel: keys per block")
     parser.add_argument("--tpu-score-block-keys", type=int, default=512, help="TPU score kernel: keys per block")
     parser.add_argument("--which", default="decode,scores", help="comma list of: decode, scores")
-    parser.add_argument("--warmup", type=int, default=1, help="(kept for old command lines; one warm-up run)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed program")
     parser.add_argument(
         "--interpret", action="store_true", help="on CPU: also run both kernel families in interpret mode"
     )
-    parser.add_argument("--copy-mib", type=int, default=1024 if on_accel else 64,
+    parser.add_argument("--copy-mib", type=int, default=DEVICE_PROBE_BYTES >> 20 if on_accel else 64,
                         help="MiB of the read and copy bandwidth measurements")
     parser.add_argument("--sweep-budget", type=float, default=0.0, help="seconds: instead of the table, sweep the "
                         "decode kernel's launch parameters on the batches x lengths shapes (`sweep_decode`)")
@@ -588,12 +550,11 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--which has {what!r}; allowed: decode, scores")
 
     dtype = jnp.dtype(args.dtype)
-    read_bw = read_bandwidth(args.copy_mib << 20, args.repeats)
-    copy_bw = copy_bandwidth(args.copy_mib << 20, args.repeats)
+    bw = bandwidth(args.copy_mib << 20, args.repeats)
+    read_bw, copy_bw = bw["read"], bw["copy"]
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
-    print(f"read bandwidth {read_bw / 1e9:.1f} GB/s (a sum over {args.copy_mib} MiB), copy bandwidth "
-          f"{copy_bw / 1e9:.1f} GB/s ((read + write) bytes of x + 1)")
+    print(f"bandwidth over {args.copy_mib} MiB: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s")
     if args.sweep_budget > 0:
         shapes = [(b, args.kv_heads, args.group, args.head_dim, n, args.dtype) for b in args.batches
                   for n in args.lengths]
