@@ -141,12 +141,12 @@ def test_bf16_generate_holds_no_copy_of_the_embedding_table(layer_loop):
 # ---- 16-bit caches are stored as bits on CPU ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
-    """On CPU a bf16 cache is stored as uint16 bits (`Target.cache_storage`): prefill, decode steps and an eviction
+    """On CPU a bf16 cache is stored as uint16 bits (`Target.storage`): prefill, decode steps and an eviction
     give bit-identical logits and cache contents to a cache stored as bf16 (as GPUs and TPUs store it)."""
     model = random_model(TINY, jnp.bfloat16, vocab_size=4096)
     cpu, gpu = Target.make("cpu"), Target.make("cuda")
-    assert cpu.cache_storage(jnp.bfloat16) == jnp.uint16 and cpu.cache_storage(jnp.float32) == jnp.float32
-    assert gpu.cache_storage(jnp.bfloat16) == jnp.bfloat16
+    assert cpu.storage(jnp.bfloat16) == jnp.uint16 and cpu.storage(jnp.float32) == jnp.float32
+    assert gpu.storage(jnp.bfloat16) == jnp.bfloat16
     ev = vj.EvictionConfig("vase_attnv", budget=32, buffer=8)
     ids = jax.random.randint(jax.random.key(0), (2, 24), 0, model.cfg.vocab_size)
     mask = jnp.ones_like(ids).at[1, :5].set(0)

@@ -164,12 +164,33 @@ def test_each_platform_lowers_its_own_program(method):
         main = next(line for line in text.splitlines() if "func.func public @main" in line)
         ids_type = re.search(r'tensor<(\d+)x\d+xi32> loc\("input_ids"\)', main).group(1)
         cpu = platform == "cpu"
-        assert ("xui16>" in text) == cpu, f"{platform}: cache storage"  # uint16 bits only on CPU
+        # the cache [layers, rows, kv_heads, slots, head_dim] stored as uint16 bits only on CPU (the embedding is
+        # gathered through its bits everywhere)
+        assert bool(re.search(r"tensor<3x\d+x8x\d+x128xui16>", text)) == cpu, f"{platform}: cache storage"
+        # the embedding table [vocab, embed] gathered through its uint16 bits only on CPU (on TPU the view would be
+        # a relayout, a copy of the table)
+        assert ("tensor<512x256xui16>" in text) == cpu, f"{platform}: embedding gather"
         assert ("layer_2/" in text) == (platform == "cuda"), f"{platform}: layer loop"
         # a lone row runs beside copies on CPU (as many as this machine's `RowRule` says), alone elsewhere
         assert (int(ids_type) >= 2) if cpu else ids_type == "1", f"{platform}: {ids_type} rows"
         mlp_dots = re.findall(r"stablehlo.dot_general.*-> tensor<[0-9x]*x768x(\w+)>", text)
         assert mlp_dots and set(mlp_dots) == {"f32" if cpu else "bf16"}, f"{platform}: MLP dots {mlp_dots}"
+
+
+def test_a_lone_row_of_a_16_bit_model_runs_beside_a_copy_on_cpu_only():
+    """With batch invariance off no `RowRule` pads the batch, but on CPU a lone row of a bf16 model still runs as
+    two (`Target.min_rows`: its one-row matmuls would be matrix-vector products, 5-8x slower); a float32 one, and
+    any lone row on cuda and tpu, runs alone."""
+    ids = jnp.ones((1, 20), jnp.int32)
+    config = vj.GenerateConfig(max_new_tokens=8, batch_invariant=False)
+    for dtype, platform, rows in (("bfloat16", "cpu", 2), ("float32", "cpu", 1), ("bfloat16", "cuda", 1),
+                                  ("bfloat16", "tpu", 1)):
+        with lowering_target(platform):
+            lowered = lower_generate(_deep_model(dtype), ids, ids, key=jax.random.key(0), config=config,
+                                     platforms=(platform,))
+        main = next(line for line in lowered.as_text(debug_info=True).splitlines() if "func.func public @main" in line)
+        got = re.search(r'tensor<(\d+)x\d+xi32> loc\("input_ids"\)', main).group(1)
+        assert got == str(rows), f"{dtype} on {platform}: {got} rows, expected {rows}"
 
 
 def test_lowering_takes_one_known_platform():

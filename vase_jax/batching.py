@@ -169,7 +169,7 @@ def stage_prompts(graphdef, params, input_ids, attention_mask, keys, row_ids, ca
     sample_key, _ = split_keys(keys, keys.shape[0])
     logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
                             framework.slot_state(eviction), target=target)
-    first = first_tokens(logits, sample_key, row_ids, config, target=target)
+    first = first_tokens(logits, sample_key, row_ids, config, target)
     return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
 
 

@@ -22,7 +22,7 @@ Decode writes are per-row scatters at slot `length[b]` (in place inside the loop
 an out-of-range slot and is dropped). The decode attention reads each row's slots [0, length[b]) (the kernels
 loop over a row's own used blocks; the XLA path loops to the longest row's and masks the others).
 
-Storage: the target (`vase_jax.target.Target.cache_storage`) decides. On CPU a 16-bit float cache (`k`, `v`,
+Storage: the target (`vase_jax.target.Target.storage`) decides. On CPU a 16-bit float cache (`k`, `v`,
 `queries`) is stored as its bits, uint16 (`dtype` keeps the float dtype). XLA:CPU has no bfloat16
 dynamic-update-slice: it converts the whole operand to float32 and back around each write, so a bf16 decode step
 would rewrite every stacked cache array once per layer (in a microbenchmark of a [4, 4, 8, 2048, 128] stack: 62 ms
@@ -76,6 +76,11 @@ def as_bits(x: jax.Array) -> jax.Array:
 def from_bits(bits: jax.Array, dtype) -> jax.Array:
     """The inverse of `as_bits` for an array of `dtype`."""
     return jax.lax.bitcast_convert_type(bits, dtype) if bits.dtype != dtype else bits
+
+
+def view_as(x: jax.Array, dtype) -> jax.Array:
+    """x's bits as the same-width `dtype` (a bitcast); x itself when it is of `dtype`."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _is_float(x: jax.Array) -> bool:
@@ -362,9 +367,9 @@ def init_cache(cfg: Qwen3Config, batch: int, capacity: int, window: int, dtype, 
                target: Target | None = None) -> KVCache:
     """An empty cache of `capacity` slots (every `pos` -1, length 0); `window` > 0 keeps a query ring; `state`: the
     policy's `SlotState`s, each a zero float32 array [layers, batch, kv_heads, capacity]. Keys, values and
-    queries are stored as `target.cache_storage(dtype)` says (None: as `dtype`)."""
+    queries are stored as `target.storage(dtype)` says (None: as `dtype`)."""
     shapes = cache_shapes(cfg, batch, capacity, window)
-    stored = jnp.dtype(dtype) if target is None else target.cache_storage(dtype)  # zero bits are +0.0
+    stored = jnp.dtype(dtype) if target is None else target.storage(dtype)  # zero bits are +0.0
     return KVCache(
         state={spec.name: jnp.zeros(shapes["pos"], jnp.float32) for spec in state},
         state_specs=tuple(state),

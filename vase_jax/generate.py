@@ -33,7 +33,7 @@ from vase_jax.cache import CacheLayout, KVCache, as_layout, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
-from vase_jax.invariance import UNPADDED, RowRule, padded_rows, rule_for
+from vase_jax.invariance import RowRule, padded_rows, rule_for, unpadded
 from vase_jax.jit import target_jit
 from vase_jax.kvquant import DEFAULT_GROUP, KVBits
 from vase_jax.model import Qwen3, prompt_positions
@@ -368,10 +368,10 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
 def row_rule(model: Qwen3, config: GenerateConfig, target: Target) -> RowRule:
     """The `RowRule` a `generate` call pads its batch by: measured on this machine (`vase_jax.invariance.rule_for`,
     once per process) for a model whose weights are on the target's devices; the documented default for
-    abstract weights or another platform's lowering (`invariance.DEFAULT_MIN_ROWS`); `UNPADDED` when
-    `config.batch_invariant` is off."""
+    abstract weights or another platform's lowering (`invariance.DEFAULT_MIN_ROWS`); with `config.batch_invariant`
+    off, no promise and only the target's `min_rows` (`invariance.unpadded`: on CPU a lone row beside a copy)."""
     if not config.batch_invariant:
-        return UNPADDED
+        return unpadded(target, model.dtype)
     measured = devices_platform(nnx.state(model)) == target.platform
     return rule_for(model.cfg, model.dtype, target, probe=measured)
 
@@ -423,10 +423,10 @@ def whole_vocab(logits: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
 
 
 def first_tokens(logits: jax.Array, sample_key: jax.Array, row_ids: jax.Array, config: GenerateConfig,
-                 mesh: jax.sharding.Mesh | None = None, target: Target | None = None) -> jax.Array:
+                 target: Target, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """Token 0 of every row, from the prefill's logits [batch, vocab]: [batch] int32."""
     return sample(whole_vocab(logits, mesh), fold_rows(sample_key, jnp.zeros_like(row_ids)), config.sampling, row_ids,
-                  rowwise=target is not None and target.rowwise_sampling)
+                  rowwise=target.rowwise_sampling)
 
 
 def ended(token: jax.Array, num_tokens: jax.Array, cap: jax.Array, config: GenerateConfig) -> jax.Array:
@@ -510,7 +510,7 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
     with jax.named_scope("prefill"):
         logits, cache = prefill(model, input_ids, attention_mask, layout, query_window(eviction),
                                 config.attention_impl, framework.slot_state(eviction), mesh, target)
-        first = first_tokens(logits, sample_key, row_ids, config, mesh, target)
+        first = first_tokens(logits, sample_key, row_ids, config, target, mesh)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
     phase = cache.seen[0]

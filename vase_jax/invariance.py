@@ -70,7 +70,11 @@ class RowRule:
         return f"{where}: rows batch-invariant from {self.min_rows} rows per device on ({pad}; differing: {bad})"
 
 
-UNPADDED = RowRule(1, False, (), "", "off", "")  # `GenerateConfig(batch_invariant=False)`: no probe, no promise
+def unpadded(target: Target, dtype) -> RowRule:
+    """The rule of `GenerateConfig(batch_invariant=False)`: no probe, no promise, and no padding but the target's
+    own `min_rows` (on CPU a lone row of a 16-bit model runs beside a copy: its one-row matmuls would be 5-8x
+    slower)."""
+    return RowRule(target.min_rows(dtype), False, (), target.platform, "off", jnp.dtype(dtype).name)
 
 
 def padded_rows(rows: int, rule: RowRule, data: int = 1) -> int:

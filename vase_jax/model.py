@@ -32,7 +32,7 @@ from flax import nnx
 
 from pallas_kernels.dispatch import pairwise_sum
 from vase_jax import weights
-from vase_jax.cache import KVCache, as_bits, from_bits
+from vase_jax.cache import KVCache, view_as
 from vase_jax.config import LAYER_PARAMS, MATRIX_PARAMS, NORM_PARAMS, PARAM_AXES, Qwen3Config
 from vase_jax.target import Target
 
@@ -49,32 +49,28 @@ def matmul(spec: str, x: jax.Array, w: jax.Array | PerLayer, target: Target | No
 def matmuls(spec: str, x: jax.Array, ws: tuple[jax.Array, ...] | tuple[PerLayer, ...],
             target: Target | None = None, out_dtype=jnp.float32, epilogue=None) -> tuple[jax.Array, ...]:
     """`einsum(spec, x, w)` for each w, a 2-D x [rows, in]: products accumulated in float32 (every backend does so
-    for 16-bit operands), results in `out_dtype`. On GPU and TPU the dot writes them itself: no 16-bit result
-    exists in float32 (XLA:GPU's prefill held each MLP projection twice, the dot's float32 output and its cast) and
-    no cast follows a switch (XLA:TPU mis-compiled one there, for one row per device of a data-sharded bf16 mesh).
-    `epilogue` combines the results there, inside the switch's branch (the MLP's SwiGLU: one [rows, mlp] array
-    leaves the branch, not two: XLA:TPU's prefill held both). XLA:CPU converts the operands of a dot with a 16-bit
-    result to float32 (a float32 copy of the weight), so there (`target.cpu`, or no target) the dots write float32
-    and the cast and the epilogue follow the switch (the programs XLA:CPU was tuned on).
+    for 16-bit operands), results in `out_dtype`. Where `target.dot_writes_result` (GPU, TPU) the dot writes them
+    itself: no 16-bit result exists in float32 (XLA:GPU's prefill held each MLP projection twice, the dot's float32
+    output and its cast) and no cast follows a switch (XLA:TPU mis-compiled one there, for one row per device of a
+    data-sharded bf16 mesh). `epilogue` combines the results there, inside the switch's branch (the MLP's SwiGLU:
+    one [rows, mlp] array leaves the branch, not two: XLA:TPU's prefill held both). Elsewhere (XLA:CPU converts the
+    operands of a dot with a 16-bit result to float32, a float32 copy of the weight) the dots write float32 and the
+    cast and the epilogue follow the switch. `target` None: that of x's devices (`Target.of`).
 
-    `target.pads_lone_rows`: XLA:CPU runs a one-row 16-bit matmul (a matrix-vector product) about 8x slower than a
-    two-row one, so there one zero row is added and dropped again. `PerLayer` weights are multiplied in place, all
-    in one `lax.switch` on their layer index (one branch per layer, whatever the number of weights)."""
-    rows = x.shape[0]
-    pad = target is not None and target.pads_lone_rows and rows == 1 and x.dtype.itemsize == 2
-    if pad:
-        x = jnp.pad(x, ((0, 1), (0, 0)))
-    host = target is None or target.cpu
-    dots = functools.partial(_dots, spec, jnp.float32 if host else out_dtype, None if host else epilogue)
+    `PerLayer` weights are multiplied in place, all in one `lax.switch` on their layer index (one branch per layer,
+    whatever the number of weights)."""
+    target = Target.of(x) if target is None else target
+    fused = target.dot_writes_result
+    dots = functools.partial(_dots, spec, out_dtype if fused else jnp.float32, epilogue if fused else None)
     if isinstance(ws[0], PerLayer):
         per_layer = zip(*(w.arrays for w in ws), strict=True)  # layer l -> (ws[0] of l, ws[1] of l, ...)
         ys = jax.lax.switch(ws[0].index, [functools.partial(dots, wl) for wl in per_layer], x)
     else:
         ys = dots(ws, x)
-    if host:
+    if not fused:
         ys = tuple(y.astype(out_dtype) for y in ys)
         ys = ys if epilogue is None else (epilogue(*ys),)
-    return tuple(y[:rows] if pad else y for y in ys)
+    return ys
 
 
 def _dots(spec: str, dtype, epilogue, ws: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
@@ -310,12 +306,11 @@ class Qwen3(nnx.Module):
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def embed(self, tokens: jax.Array, target: Target) -> jax.Array:
-        """Rows of the embedding table: [batch, seq, embed]. Gathered on its `as_bits` view where the target says
-        (`Target.gathers_bits`: XLA:CPU would convert a whole bf16 table to float32 to gather from it)."""
-        table = self.embedding[...]
-        if not target.gathers_bits:
-            return jnp.take(table, tokens, axis=0)
-        return from_bits(jnp.take(as_bits(table), tokens, axis=0), table.dtype)
+        """Rows of the embedding table: [batch, seq, embed], gathered through the view `target.storage` names (its
+        uint16 bits on CPU: XLA:CPU would convert a whole bf16 table to float32 to gather from it)."""
+        table = self.embedding[...]  # [vocab, embed]
+        rows = jnp.take(view_as(table, target.storage(table.dtype)), tokens, axis=0)
+        return view_as(rows, table.dtype)
 
     def logits(self, x: jax.Array, target: Target | None = None) -> jax.Array:
         """Final norm and LM head; float32 logits [batch, seq, vocab]."""

@@ -39,7 +39,7 @@ from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, cache_layout, generate_program, query_window
-from vase_jax.invariance import UNPADDED, padded_rows, rule_for
+from vase_jax.invariance import padded_rows, rule_for, unpadded
 from vase_jax.model import Qwen3
 from vase_jax.sampling import typed_key
 from vase_jax.sharding import cache_specs, check_mesh, param_specs, per_device_bytes, spec_for
@@ -243,7 +243,7 @@ class _EnginePrograms:
         # the batch padding `run` will use (`vase_jax.invariance`): measured when the device is this process's
         self.rule = rule_for(cfg, self.dtype, self.target, probe=default and self.config.batch_invariant)
         if not self.config.batch_invariant:
-            self.rule = UNPADDED
+            self.rule = unpadded(self.target, self.dtype)
 
     def place(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding), tree)

@@ -8,12 +8,16 @@ platforms=("cuda",))` on a CPU host lowers exactly the program a GPU runs.
 |---|---|---|---|
 | layer loop (`layer_loop="auto"`) | `switch` | `unroll` | `switch` |
 | a 16-bit cache stored as | its bits (uint16) | itself | itself |
-| embedding rows gathered through | the table's bits | the table | the table |
 | a batch of fewer rows than `RowRule.min_rows` | runs beside copies of its first row | the same | the same |
-| a one-row 16-bit matmul | gets a zero row (speed) | as is | as is |
+| a lone row of a 16-bit model (batch invariance off) | runs beside a copy (speed) | alone | alone |
 | the prompt's keys and values | written as they are | written as they are | laid out row-major first |
 | XLA options of decode programs | invariant code motion off | defaults | defaults |
 | a 16-bit matmul's result | float32, then cast | written in 16 bits by the dot | written in 16 bits by the dot |
+| sampling | one row at a time | the batch at once | the batch at once |
+
+Three places act on it, and model.py and generate.py name no platform: the cache's storage (`vase_jax.cache`), the
+batch's rows (`generate`'s padding, from `RowRule` and `min_rows`), and the properties below that a matmul, the
+layer loop and the sampler read (`dot_writes_result`, `layer_loop`, `rowwise_sampling`).
 
 The layer loop is each compiler's better one: on XLA:TPU (deviceless compiles of Qwen3-8B's shape, 36 layers)
 `switch` compiles in a third of the time of `unroll` and holds half the temporaries; on GPUs `unroll`, since
@@ -23,13 +27,15 @@ Why, on XLA:CPU (docs/DESIGN.md has the measurements):
 - `switch` (a scan over the layer index whose matmuls pick their layer's weight with `lax.switch`) keeps compile
   time flat in depth; `unroll` (a Python loop) compiles each layer on its own. Both read each weight where it lives.
 - XLA:CPU has no bfloat16 dynamic-update-slice or gather: it converts the whole operand to float32 and back around
-  each one-token cache write, or to gather rows of a bf16 table. Through a same-width uint16 view the write and
-  the gather touch only their rows.
+  each one-token cache write, or to gather rows of a bf16 table (jax 0.10.2: a bf16 [151936, 1024] table became an
+  f32 copy, 3.0 against 1.6 ms a step through the bits). Through a same-width uint16 view the write and the gather
+  touch only their rows (`storage`).
 - A one-row matmul is a matrix-vector product there, whose float32 sums differ in the last bit from those of the
-  multi-row kernel (and a 16-bit one is 8x slower): a row's numbers must not depend on its batch's size, so
-  `generate` pads small batches by the rule `vase_jax.invariance` measures, and a one-row 16-bit matmul gets a zero
-  row. Reductions over a row's last axis that the invariance relies on (RMSNorm, the decode softmax's sum) are
-  `pallas_kernels.dispatch.pairwise_sum`: XLA:CPU vectorizes a reduce by the number of rows it holds.
+  multi-row kernel, and a 16-bit one is 5-8x slower (jax 0.10.2: [1, 1024] x [1024, 3072] 1.54 ms against 0.31 ms
+  for two rows; the LM head 161 against 20 ms): a row's numbers must not depend on its batch's size, so
+  `generate` pads small batches by the rule `vase_jax.invariance` measures, and never runs a lone row
+  (`min_rows`). Reductions over a row's last axis that the invariance relies on (RMSNorm, the decode softmax's
+  sum) are `pallas_kernels.dispatch.pairwise_sum`: XLA:CPU vectorizes a reduce by the number of rows it holds.
 - A dot with a 16-bit result has its operands converted to float32 first (a float32 copy of the weight); with a
   float32 result it reads them as they are. Elsewhere the dot writes the 16-bit result from its float32
   accumulators (`model.matmuls`: XLA:GPU's prefill then holds no float32 copy of each MLP projection).
@@ -91,8 +97,10 @@ class Target:
     def cpu(self) -> bool:
         return self.platform == "cpu"
 
-    def cache_storage(self, dtype) -> jnp.dtype:
-        """The dtype a cache of float `dtype` is stored in: uint16 bits of a 16-bit float on CPU, else `dtype`."""
+    def storage(self, dtype) -> jnp.dtype:
+        """The dtype that an array of float `dtype` written or gathered a row at a time is held or read as (the
+        cache, the embedding table's rows): uint16 bits of a 16-bit float on CPU, else `dtype` (on TPU a uint16
+        view of the bf16 embedding table is a relayout: a copy of the table, 1.2 GiB at Qwen3-8B's)."""
         dtype = jnp.dtype(dtype)
         return jnp.dtype(jnp.uint16) if self.cpu and dtype.itemsize == 2 else dtype
 
@@ -102,15 +110,17 @@ class Target:
         return self.platform == "tpu"
 
     @property
-    def gathers_bits(self) -> bool:
-        """Gather embedding rows through the table's uint16 view (16-bit tables on CPU)."""
-        return self.cpu
+    def dot_writes_result(self) -> bool:
+        """A matmul's dot writes its 16-bit result itself, from its float32 accumulators (GPU, TPU). Not on CPU:
+        XLA:CPU converts both operands of a dot with a 16-bit result to float32 (a float32 copy of the weight), so
+        there the dot writes float32 and a cast follows (`model.matmuls`)."""
+        return not self.cpu
 
-    @property
-    def pads_lone_rows(self) -> bool:
-        """Give a one-row 16-bit matmul a zero row (CPU: 8x faster than its matrix-vector product). Small batches
-        are padded by the measured `vase_jax.invariance.RowRule`, on every platform."""
-        return self.cpu
+    def min_rows(self, dtype) -> int:
+        """The fewest rows a batch of a `dtype` model runs as, batch invariance or not: 2 for a 16-bit model on CPU,
+        where a one-row matmul is a matrix-vector product, 5-8x slower than two rows (`generate` pads a lone row
+        with a copy); else 1."""
+        return 2 if self.cpu and jnp.dtype(dtype).itemsize == 2 else 1
 
     @property
     def rowwise_sampling(self) -> bool:
