@@ -130,7 +130,7 @@ GENERIC = DecodeTuning()  # any GPU or shape the table does not name: the first 
 
 # (device kind, head_dim, GQA group or None for any group, dtype name) -> entry. A row says whether it was measured
 # (`measured`; the H200 rows below are reasoned guesses, `measured=""`); the device check's sweep
-# (`scripts/bench_kernels.py: sweep_decode`) measures the
+# (`benchmarks/kernels.py: sweep_decode`) measures the
 # candidates below on the H200 and prints the rows to paste here. Why these guesses: K and V of a 64-slot bf16
 # block are 32 KB; Triton keeps `num_stages - 1` blocks in flight per program, and with 2 stages its loop waits for
 # the block it just issued before computing on it (no overlap inside a program; the first device run's setting,

@@ -3,7 +3,7 @@ eviction events per run).
 
 On a CPU host, "pallas" runs the Triton kernels through the Pallas interpreter and "pallas_tpu" the Mosaic TPU
 kernels in TPU interpret mode (TPU semantics). On a GPU or a TPU, "pallas" runs that platform's kernels compiled
-(`scripts/device_check.py` runs this file there).
+(`benchmarks/device_check.py` runs this file there).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The library never clears JAX's caches on its own: after a compile past half the 
 `release_programs_near_mapping_limit` is the guard that scripts and the test suite call between their jobs.
 
 Compiling once per machine: `enable_compilation_cache` turns on JAX's persistent compilation cache (compiled
-programs written to a folder and loaded back by later processes). `scripts/eval.py` and `scripts/bench.py` enable it
+programs written to a folder and loaded back by later processes). `scripts/eval.py` and `benchmarks/bench.py` enable it
 by default, in `compilation_cache_dir()`; the library itself leaves JAX's settings as the user has them.
 """
 
