@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import resource
 import sys
@@ -51,6 +50,7 @@ from flax import nnx
 import vase_jax as vj
 from benchmarks import decode_step as ds
 from benchmarks import workload as wl
+from benchmarks.report import ints, method_label, num, write_json
 from benchmarks.timing import Stat, bandwidth, decode_rate, device_desc, load_warning, machine, time_runs
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
@@ -64,7 +64,7 @@ HOW = {
     "total_s": "one compiled generate call (prefill + every decode step + evictions), wall time ended by "
     "block_until_ready; median [min-max] of --repeats runs after --warmup untimed runs",
     "prefill_s": "a jitted copy of generate's prefill alone (prompt forward, cache allocation, first token)",
-    "decode_tok_s": "batch * (output_len - 1) / (total_s - median prefill_s), per run",
+    "decode_tok_s": "batch * (output_len - 1) / (total_s - fastest prefill_s), per run",
     "segments": "marginal decode tokens/s between consecutive output lengths, batch * delta_len / "
     "delta(median total_s); the first segment is decode_tok_s of the shortest length",
     "step_ms_start/end": "a jitted fori_loop of --micro-steps greedy decode_steps (cache donated, no "
@@ -103,13 +103,6 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-
-
 def _batch(text: str) -> int | dict[str, int]:
     """N, or LABEL=N,... (per method, --workload aime25)."""
     try:
@@ -139,14 +132,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--batch", type=_batch, default=None, help="rows (default 4); --workload aime25: the largest that fits per "
       "method (default), N for every method, or LABEL=N,... (e.g. vase_dkv@2048=187,full=19; the others fit)")
     a("--prompt-len", type=int, default=None, help="random prompt tokens per row (default 128; aime25: 256)")
-    a("--output-lens", type=_ints, default=[1024], help="comma list: new tokens per row")
+    a("--output-lens", type=ints, default=[1024], help="comma list: new tokens per row")
     a("--methods", default=None,
       help="default full,vase_attnv,vase_dkv (aime25: vase_dkv,vase_attnv,full); comma list (full and "
       "vj.eviction.METHODS: snapkv, rkv, rkv_official, curdkv, vase_attnv, vase_dkv, h2o, "
       "keydiff, ablations), 'paper' (full + the five) or 'all' (full + every policy)")
     a("--calibration", default=None, help="triattention's statistics file (default: the model folder's; random "
       "numbers of the model's shape for a named random model)")
-    a("--budgets", type=_ints, default=None, help="comma list of budgets N (eviction methods; default 512, aime25: "
+    a("--budgets", type=ints, default=None, help="comma list of budgets N (eviction methods; default 512, aime25: "
       "2048)")
     a("--buffer", type=int, default=None, help="buffer B, the eviction period (default 64)")
     a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
@@ -262,7 +255,7 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
                                                 if m != "full"):
         raise ValueError("--calibration is for --methods triattention")
     if isinstance(args.batch, dict):
-        labels = [wl.method_label(ev) for ev in configs]
+        labels = [method_label(ev.method, ev.evicts and ev.budget) for ev in configs]
         unknown = sorted(set(args.batch) - set(labels))
         if unknown:
             raise ValueError(f"--batch: {', '.join(unknown)} not among the methods ({', '.join(labels)})")
@@ -505,9 +498,7 @@ def _median(stat: dict | None) -> float | None:
 
 
 def label(r: dict) -> str:
-    if r["engine"] == "hf":
-        return f"hf-{r['cache']}"
-    return r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
+    return f"hf-{r['cache']}" if r.get("engine") == "hf" else method_label(r["method"], r["budget"])
 
 
 def _by_label(runs: list[dict]) -> dict[str, list[dict]]:
@@ -563,10 +554,6 @@ def summary(runs: list[dict], segs: dict[str, list[dict]], prompt_len: int) -> l
 
 
 # ---- outputs -----------------------------------------------------------------------------------------------
-def _num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = "") -> str:
-    return "-" if x is None else f"{x * scale:{spec}}{suffix}"
-
-
 def _fmt(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
     if stat is None:
         return "-"
@@ -599,12 +586,12 @@ def markdown(result: dict) -> str:
             f"| {r['tok_s_end']:.1f} | {_fmt(r['step_ms_start'], spec='.2f')} "
             f"| {_fmt(r['step_ms_end'], spec='.2f')} | {_fmt(r['prefill_s'], 1e3)} | {r['compile_s']:.1f} "
             f"| {_fmt(r['evict_ms'], spec='.2f')} | {r['evictions']} "
-            f"| {_num(r['evict_overhead'], '.1f', 100, '%')} | {r['cache_bytes'] / mib:.1f} "
-            f"| {_num(r['program_bytes'], '.0f', 1 / mib)} | {r['roofline']['bound_tok_s']:.1f} "
-            f"| {_num(r['roofline']['achieved_over_bound'], '.2f')} |")
+            f"| {num(r['evict_overhead'], '.1f', 100, '%')} | {r['cache_bytes'] / mib:.1f} "
+            f"| {num(r['program_bytes'], '.0f', 1 / mib)} | {r['roofline']['bound_tok_s']:.1f} "
+            f"| {num(r['roofline']['achieved_over_bound'], '.2f')} |")
     lines += ["", "Marginal decode tokens/s per output-length segment:", ""]
     for name, segs in result["segments"].items():
-        lines.append(f"- {name}: " + ", ".join(f"{s['from']}-{s['to']}: {_num(s['tok_s'])}" for s in segs))
+        lines.append(f"- {name}: " + ", ".join(f"{s['from']}-{s['to']}: {num(s['tok_s'])}" for s in segs))
     lines += ["", "Summary at the longest output length of each method:", ""]
     for s in result["summary"]:
         parts = [f"tok/s end/start {s['tok_s_end_over_start']:.2f}"]
@@ -614,7 +601,7 @@ def markdown(result: dict) -> str:
             a, c = s["steady_segment"]
             parts.append(f"last segment / segment {a}-{c} {s['last_over_steady_segment']:.2f}")
         if "vs_full" in s:
-            parts.append(f"vs full {_num(s['vs_full'], '.2f', suffix='x')} (bytes-moved bound "
+            parts.append(f"vs full {num(s['vs_full'], '.2f', suffix='x')} (bytes-moved bound "
                          f"{s['vs_full_bound']:.2f}x)")
         cache = ", ".join(f"{n}: {v / mib:.1f}" for n, v in s["cache_bytes_by_len"].items())
         parts.append(f"cache MiB by output length {{{cache}}}")
@@ -627,15 +614,11 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {label(h)} | {h['output_len']} | {_fmt(h['decode_tok_s'])} "
                 f"| {_fmt(h['total_s'], spec='.2f')} "
-                f"| {_fmt(h['prefill_s'], 1e3)} | {_num(h.get('ratio_decode'), '.2f', suffix='x')} "
-                f"| {_num(h.get('ratio_total'), '.2f', suffix='x')} "
-                f"| {_num(h.get('tokens_equal_to_ours'), '.0f', 100, '%')} |")
+                f"| {_fmt(h['prefill_s'], 1e3)} | {num(h.get('ratio_decode'), '.2f', suffix='x')} "
+                f"| {num(h.get('ratio_total'), '.2f', suffix='x')} "
+                f"| {num(h.get('tokens_equal_to_ours'), '.0f', 100, '%')} |")
     lines += ["", "How each figure is obtained:", ""] + [f"- `{k}`: {v}" for k, v in result["how"].items()]
     return "\n".join(lines) + "\n"
-
-
-def _json_default(x):
-    return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
 def compile_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
@@ -649,7 +632,7 @@ def compile_report(args, bench: Bench, model_desc: str, configs: list[EvictionCo
              "temporaries MiB |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['budget'] or '-'} | {r['capacity']} | {r['compile_s']:.1f} "
-                     f"({r['lower_s']:.1f}) | {r['hlo_lines']} | {_num(r['temp_bytes'], '.1f', 2**-20)} |")
+                     f"({r['lower_s']:.1f}) | {r['hlo_lines']} | {num(r['temp_bytes'], '.1f', 2**-20)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     write_results(args.out, {"meta": m | {"model": model_desc, "layers": bench.model.cfg.num_layers},
@@ -663,7 +646,7 @@ def write_results(out_dir: str | None, result: dict, text: str) -> None:
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        write_json(out / "results.json", result)
         (out / "results.md").write_text(text)
 
 
@@ -904,9 +887,9 @@ def kv_rows(bench: Bench, ev: EvictionConfig, n: int) -> list[dict]:
                         "decode_tok_s": None if rate is None else rate.median,
                         "tokens_agree_with_bf16": float((tokens == reference).mean())}
         rows.append(r)
-        print(f"{wl.method_label(ev):>16} {r['kv_bits']:>7} P={'-' if r['protected'] is None else r['protected']:<5} "
+        print(f"{label(r):>16} {r['kv_bits']:>7} P={num(r['protected'], '.0f'):<5} "
               f"{r['token_bytes']:4d} B/token, cache {r['cache_bytes'] / 2**20:8.2f} MiB, program "
-              f"{_num(r['program_bytes'], '.1f', 2**-20, ' MiB')}, decode {_num(r['decode_tok_s'])} tok/s, "
+              f"{num(r['program_bytes'], '.1f', 2**-20, ' MiB')}, decode {num(r['decode_tok_s'])} tok/s, "
               f"agree {100 * r['tokens_agree_with_bf16']:.0f}%", flush=True)
     return rows
 
@@ -943,12 +926,10 @@ def kv_markdown(result: dict) -> str:
             base[key] = r
         b = base.get(key, r)
         ratio = (r["decode_tok_s"] / b["decode_tok_s"]) if r["decode_tok_s"] and b["decode_tok_s"] else None
-        label = r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
-        lines.append(f"| {label} | {r['kv_bits']} | {'-' if r['protected'] is None else r['protected']} | "
-                     f"{r['token_bytes']} | {r['cache_bytes'] / 2**20:.2f} | "
-                     f"{r['cache_bytes'] / b['cache_bytes']:.3f} | "
-                     f"{_num(r['program_bytes'], '.1f', 2**-20)} | {_num(r['decode_tok_s'])} | "
-                     f"{_num(ratio, '.2f', suffix='x')} | {100 * r['tokens_agree_with_bf16']:.0f}% |")
+        lines.append(f"| {label(r)} | {r['kv_bits']} | {num(r['protected'], '.0f')} | {r['token_bytes']} | "
+                     f"{r['cache_bytes'] / 2**20:.2f} | {r['cache_bytes'] / b['cache_bytes']:.3f} | "
+                     f"{num(r['program_bytes'], '.1f', 2**-20)} | {num(r['decode_tok_s'])} | "
+                     f"{num(ratio, '.2f', suffix='x')} | {100 * r['tokens_agree_with_bf16']:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -967,7 +948,7 @@ def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionCon
                 full_tokens[n] = (r, tokens)
             print(f"{label(r):>20} n={n:<6} decode {_fmt(r['decode_tok_s'])} tok/s; micro start "
                   f"{r['tok_s_start']:.1f} end {r['tok_s_end']:.1f}; {r['evictions']} evictions, overhead "
-                  f"{_num(r['evict_overhead'], '.1f', 100, '%')}; cache {r['cache_bytes'] / 2**20:.1f} MiB",
+                  f"{num(r['evict_overhead'], '.1f', 100, '%')}; cache {r['cache_bytes'] / 2**20:.1f} MiB",
                   flush=True)
     if args.compare_hf:
         import torch
@@ -986,7 +967,7 @@ def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionCon
                     h["ratio_total"] = h["total_s"]["median"] / ours["total_s"]["median"]
                 hf_runs.append(h)
                 print(f"{label(h):>20} n={n:<6} decode {_fmt(h['decode_tok_s'])} tok/s; ours / HF "
-                      f"{_num(h.get('ratio_decode'), '.2f', suffix='x')}", flush=True)
+                      f"{num(h.get('ratio_decode'), '.2f', suffix='x')}", flush=True)
 
     bw = bandwidth(args.bandwidth_mib << 20, args.repeats)  # last, so that its arrays are not in the runs' peak RSS
     for r in runs:

@@ -99,10 +99,11 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
 
 
 @functools.partial(target_jit, static_argnums=(0, 4, 5, 6, 7, 8), target_argnum=8)
-def prefill(graphdef, state, input_ids, attention_mask, capacity: int, window: int, attention_impl: str,
+def prefill(graphdef, state, input_ids, attention_mask, capacity, window: int, attention_impl: str,
             slot_state: tuple, target: Target):
-    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` slots (with the
-    policy's per-slot `slot_state`) and the first (greedy) token. Returns (first token [batch], cache)."""
+    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` (slots, or a
+    mixed-precision `TierLayout`, with the policy's per-slot `slot_state`) and the first (greedy) token. Returns
+    (first token [batch], cache)."""
     logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window,
                                      attention_impl, slot_state, target=target)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

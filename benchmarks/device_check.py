@@ -68,6 +68,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.report import method_label, num, write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
 # seconds each phase may take at most (the whole check: --budget-s, 500 by default)
@@ -143,6 +145,7 @@ def decode_benchmark(
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     import vase_jax as vj
@@ -177,8 +180,7 @@ def decode_benchmark(
     def add(row: dict) -> None:
         result["rows"].append(row)
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(json_path, result)
 
     def step(cache, start, target) -> float:  # median ms per step; the cache is consumed
         return ds.step_ms(graphdef, state, cache, start, micro_steps, repeats, attention_impl, target).median
@@ -211,7 +213,7 @@ def decode_benchmark(
         ev = (vj.EvictionConfig("full") if method == "full" else
               vj.EvictionConfig(method, budget=budget, buffer=buffer)).validate()
         window = query_window(ev)
-        row = dict(method=(method if method == "full" else f"{method}@{budget}")
+        row = dict(method=method_label(method, ev.evicts and budget)
                    + (f" ({layer_loop})" if layer_loop != default.layer_loop else ""), tokens=length)
         if deadline is not None and time.time() > deadline:
             add({**row, "skipped": "time budget"})
@@ -229,7 +231,9 @@ def decode_benchmark(
             measured[state_key] = entry
         entry = measured[state_key]
         step_s = entry["step_ms"] / 1e3 + (entry.get("evict_ms", 0.0) / 1e3 / buffer if ev.evicts else 0.0)
-        step_bytes = weight_bytes + live * per_slot + (2 * (budget + buffer) * per_slot / buffer if ev.evicts else 0)
+        # a step over `live` slots, one eviction event (if any) amortized over the B steps to the next
+        step_bytes = ds.roofline(qwen, ev, np.full(buffer, live), int(ev.evicts), batch, jdtype.itemsize)[
+            "bytes_step_mean"]
         bound = batch * read_bw / step_bytes
         tps = batch / step_s
         share = entry["evict_ms"] / (buffer * entry["step_ms"]) if ev.evicts else None  # of the steps between events
@@ -273,8 +277,7 @@ def kernel_sweep(seconds: float, json_path: str | None = None, shapes=SWEEP_SHAP
         result["table_text"] += one.get("table_text", "")
         result["seconds"] = seconds - (deadline - time.time())
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(json_path, result)
     return result
 
 
@@ -383,8 +386,7 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
 
     def save():
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(json_path, result)
 
     big = named_configs()[probe_model]
     t0 = time.perf_counter()
@@ -433,11 +435,11 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
 # the report
 # ---------------------------------------------------------------------------------------------------------------
 def _fmt(x, digits=1) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    return num(x, f".{digits}f")
 
 
 def _pct(x, digits=0) -> str:
-    return "-" if x is None else f"{100 * x:.{digits}f}%"
+    return num(x, f".{digits}f", 100, "%")
 
 
 def _table_result(entry: dict) -> dict:
@@ -646,8 +648,7 @@ def _results(phase: dict, path: str) -> dict:
 
 def _save(out: str, report: dict, start: float) -> None:
     report["seconds"] = time.time() - start
-    with open(os.path.join(out, "device_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(os.path.join(out, "device_check.json"), report)
 
 
 def _child(phase: str, path: str, cap: float, extra: list[str] | None = None) -> list[str]:
@@ -798,8 +799,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(lowered_text(args.platform))
         return 0
     if args.phase == "memory":
-        with open(args.json, "w") as f:
-            json.dump(memory_peak(layers=args.layers), f, indent=2)
+        write_json(args.json, memory_peak(layers=args.layers))
         return 0
 
     start = time.time()
@@ -837,10 +837,8 @@ def main(argv: list[str] | None = None) -> int:
         report["phases"][name] = run_phase(name, args, env, remaining, layers)
         _save(args.out, report, start)  # what has run so far, in case the whole check is stopped
 
-    report["seconds"] = time.time() - start
     report["targets"] = targets(report)
-    with open(os.path.join(args.out, "device_check.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    _save(args.out, report, start)
     table = markdown(report)
     with open(os.path.join(args.out, "device_check.md"), "w") as f:
         f.write(table)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import statistics
 import time
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.report import ints, write_json
 from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, time_runs
 from pallas_kernels import decode_tuning, dispatch
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
@@ -58,10 +58,6 @@ MIN_CALL_S = 5e-6  # a kernel launch and its memory latency: no call is estimate
 UNROLL_CALLS = 8  # calls per pass written out in the program; more (small shapes, many layers) run in a loop
 MAX_SCORE_COPIES = 8  # key arrays of the window-score timing (small shapes may then be served from the L2)
 XLA_FRACTION = 0.02  # of the read bandwidth, to size the XLA references' programs (H200: 1.5%, the kernels: 34-56%)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -514,9 +510,9 @@ def main(argv=None) -> list[dict]:
     on_accel = platform in ("gpu", "tpu")  # an accelerator: full sweep, bfloat16, compiled kernels
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--lengths", type=_ints, default=[1024, 4096, 8192, 16384, 32768] if on_accel else [256, 1024]
+        "--lengths", type=ints, default=[1024, 4096, 8192, 16384, 32768] if on_accel else [256, 1024]
     )
-    parser.add_argument("--batches", type=_ints, default=[1, 4, 16] if on_accel else [1, 4])
+    parser.add_argument("--batches", type=ints, default=[1, 4, 16] if on_accel else [1, 4])
     parser.add_argument("--capacity", type=int, default=0, help="cache capacity (default: the length itself)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
@@ -563,8 +559,7 @@ def main(argv=None) -> list[dict]:
                               repeats=args.repeats)
         print("decode_tuning.TABLE rows:\n" + result["table_text"])
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(args.json_out, result)
         return result["shapes"]
 
     rows = []
@@ -612,8 +607,7 @@ def main(argv=None) -> list[dict]:
             interpret=platform not in ("gpu", "tpu") and args.interpret,
             timing="best of --repeats runs of one program of many calls, divided by the calls",
         )
-        with open(args.json_out, "w") as f:
-            json.dump(dict(meta=meta, results=rows), f, indent=2)
+        write_json(args.json_out, dict(meta=meta, results=rows))
         print(f"wrote {args.json_out}")
     return rows
 

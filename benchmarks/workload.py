@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.decode_step import row_replay
+from benchmarks.report import method_label
 from benchmarks.timing import Stat
 from vase_jax import batching, planner
 from vase_jax.eviction.config import EvictionConfig
@@ -229,11 +230,6 @@ def model_device(model: Qwen3) -> jax.Device:
     return next(iter(jax.tree.leaves(nnx.state(model))[0].devices()))
 
 
-def method_label(ev: EvictionConfig) -> str:
-    """"full", or "method@budget"."""
-    return f"{ev.method}@{ev.budget}" if ev.evicts else ev.method
-
-
 def _run_timed(model: Qwen3, reqs: list, rows: int, queue: int, config: GenerateConfig, ev: EvictionConfig,
                prompt_len: int) -> tuple[float, batching.EngineStats, EngineSchedule]:
     """Wall seconds of `batching.run` on `reqs`, its stats, and the simulated schedule of the same run."""
@@ -267,7 +263,7 @@ def measure_engine(model: Qwen3, ev: EvictionConfig, make_requests: Callable[[li
     """Steps 1-3 of `aime25_workload` for one method on `rows` rows (after the compile): round_s, the lockstep
     windows, the fitted `StepModel` (slots counted as `reads`) and the continuous check. Returns its record (with
     the model as "fit")."""
-    label, cap = method_label(ev), config.max_new_tokens
+    label, cap = method_label(ev.method, ev.evicts and ev.budget), config.max_new_tokens
     t0 = time.perf_counter()
 
     def timed(caps):
@@ -390,7 +386,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
         raise ValueError(f"seconds_per_method={seconds_per_method!r} must be > 0")
     if not 0 < check_share < 1:
         raise ValueError(f"check_share={check_share!r} must be in (0, 1)")
-    labels = [method_label(ev) for ev in methods]
+    labels = [method_label(ev.method, ev.evicts and ev.budget) for ev in methods]
     per_method = batch if isinstance(batch, dict) else dict.fromkeys(labels, batch)
     for key, rows in per_method.items():
         if key not in labels:
@@ -427,7 +423,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
             "headroom": headroom, "formula": PROJECTION, "attention_reads": reads}
     out = {"meta": meta, "methods": []}
     for ev in methods:
-        label = method_label(ev)
+        label = method_label(ev.method, ev.evicts and ev.budget)
         rec: dict = {"label": label, "method": ev.method, "budget": ev.budget if ev.evicts else None,
                      "buffer": ev.buffer if ev.evicts else None}
         start = time.perf_counter()
