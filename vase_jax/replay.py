@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx, struct
 
 from pallas_kernels.decode_tuning import fixed_splits
+from pallas_kernels.dispatch import pairwise_sum
 from vase_jax.cache import KVCache, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -119,11 +120,19 @@ def replay(model: Qwen3, input_ids, attention_mask, reference, lengths, *, key: 
     return out
 
 
+def _log_softmax(x: jax.Array) -> jax.Array:
+    """log softmax over the last axis, its sum a `pairwise_sum`: x - m - log sum(exp(x - m)), m the row's max."""
+    m = jnp.max(x, axis=-1, keepdims=True)  # a max is exact in any order
+    return x - m - jnp.log(pairwise_sum(jnp.exp(x - m)))
+
+
 def _distribution_stats(logits: jax.Array, full_logits: jax.Array, token: jax.Array) -> dict[str, jax.Array]:
-    """[batch] stats of one position from the two caches' logits [batch, vocab] and the reference token."""
-    q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p = jax.nn.log_softmax(full_logits.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.where(p == -jnp.inf, 0.0, jnp.exp(p) * (p - q)), axis=-1)  # 0 log 0 = 0
+    """[batch] stats of one position from the two caches' logits [batch, vocab] and the reference token. The sums
+    over the vocabulary are `pairwise_sum`s, so that a row's stats do not depend on the batch's rows (XLA:CPU's
+    own reduce over [rows, 4096] gave a lone row's KL other last bits than its row in a batch of 3)."""
+    q = _log_softmax(logits.astype(jnp.float32))  # [batch, vocab]
+    p = _log_softmax(full_logits.astype(jnp.float32))
+    kl = pairwise_sum(jnp.where(p == -jnp.inf, 0.0, jnp.exp(p) * (p - q)))[:, 0]  # 0 log 0 = 0
     pick = token[:, None]
     return {"kl": jnp.maximum(kl, 0.0), "agree": (q.argmax(-1) == p.argmax(-1)).astype(jnp.float32),
             "nll": -jnp.take_along_axis(q, pick, axis=-1)[:, 0],
