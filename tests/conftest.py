@@ -1,4 +1,16 @@
-"""Shared fixtures: tiny random HF Qwen3 checkpoints saved with `save_pretrained`, and the real Qwen3 tokenizer."""
+"""Shared fixtures (tiny random HF Qwen3 checkpoints saved with `save_pretrained`, the real Qwen3 tokenizer), each
+test's kind, and the order in which the files run.
+
+Kinds (markers, beside `slow`): `unit` (a function against its reference; no model program), `program` (compiles
+and runs the model, `generate`, the engine or a kernel inside them), `script` (runs a script or another Python
+process), `aot` (compiled for a GPU or TPU that is not attached). A test marked with a kind keeps it; the others
+take their file's (`FILE_KINDS`). `pytest -m unit` is the quick check; `pytest -m "not script"` leaves out the
+scripts and processes.
+
+Order: the suite runs with `--dist loadfile` (pyproject): each file on one worker, so a module's fixtures (models,
+checkpoints, compiled programs) are built once, not once per worker. The files go out heaviest first
+(`HEAVIEST_FIRST`, from the suite's profile of test-seconds per file), so that the last files to finish are short.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +44,47 @@ TEST_CACHE = os.environ.get("VASE_JAX_TEST_COMPILATION_CACHE", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla-tests", _source_digest()))
 enable_compilation_cache(TEST_CACHE, min_compile_seconds=0.2)
 os.environ.setdefault("VASE_JAX_COMPILATION_CACHE", TEST_CACHE)  # scripts run by the tests use it too
+
+
+KINDS = ("unit", "program", "script", "aot")
+FILE_KINDS = {
+    "unit": ("test_tasks", "test_sandbox", "test_livecodebench", "test_eviction_methods", "test_eviction_scores",
+             "test_kernels", "test_quant_kernels", "test_kvquant", "test_analysis", "test_readme"),
+    "program": ("test_model", "test_generate", "test_batching", "test_tiers", "test_sharding", "test_layers",
+                "test_lowering", "test_weight_copies", "test_invariance", "test_kernels_generate", "test_replay",
+                "test_triattention", "test_eviction_framework", "test_jit", "test_weights", "test_kv_error",
+                "test_planner", "test_policies", "test_varchain"),
+    "script": ("test_eval", "test_bench", "test_bench_kernels", "test_device_check", "test_demo_scripts",
+               "test_distributed"),
+    "aot": ("test_aot", "test_aot_kernels"),
+}
+# test-seconds per file in a profile of the whole suite (2 workers, cold compilation cache), largest first; files
+# not named here follow, in their usual order
+HEAVIEST_FIRST = ("test_sharding", "test_eval", "test_varchain", "test_bench", "test_eviction_framework",
+                  "test_distributed", "test_layers", "test_tiers", "test_batching", "test_invariance",
+                  "test_kernels", "test_generate", "test_kvquant", "test_analysis", "test_replay",
+                  "test_kernels_generate", "test_device_check", "test_quant_kernels", "test_sandbox",
+                  "test_lowering", "test_planner")
+
+
+def _file_kind(name: str) -> str | None:
+    return next((kind for kind, names in FILE_KINDS.items() if name in names), None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's kind (its own marker, else its file's) and the files' order (heaviest first; a file's tests
+    keep their order)."""
+    for item in items:
+        if not any(item.get_closest_marker(kind) for kind in KINDS):
+            kind = _file_kind(item.path.stem)
+            if kind is None:
+                raise pytest.UsageError(f"{item.path.name}: give the file a kind in conftest.FILE_KINDS")
+            item.add_marker(kind)
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path.stem, i)
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), first_seen[item.path.stem]))
 
 
 def hf_tiny_config(**overrides):

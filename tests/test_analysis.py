@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
@@ -152,6 +153,7 @@ def test_accumulator_summary_from_known_values():
     assert row["pearson"]["b2g4_hqq"] == pytest.approx(1.0) and row["mean_mse"]["b2g4_rtn"] == pytest.approx(4.0)
 
 
+@pytest.mark.script
 @pytest.mark.slow
 def test_analyze_random_model_smoke_run(tmp_path, capsys):
     from conftest import load_script
@@ -181,9 +183,9 @@ def test_kept_vs_range_counts_and_vase_protects_large_range(tokenizer):
     protects the Nv largest Range(v) at every event, keeps more of the large-Range tokens than of all tokens."""
     import vase_jax as vj
     from vase_jax.analysis.kept import kept_vs_range, markdown
-    from vase_jax.random_model import HEAD_SCALE, TINY, random_model
+    from vase_jax.random_model import TINY
 
-    model = random_model(TINY, jnp.float32, head_scale=HEAD_SCALE)
+    model = models.full_vocab()
     batch = vj.encode_prompts(tokenizer, ["What is 7 * 8?", "Name a prime number above 10."])
     report = kept_vs_range(model, batch, tokenizer, ("snapkv", "vase_attnv"), budget=32, buffer=16,
                            config=vj.GenerateConfig(max_new_tokens=96, eos_token_ids=()), quantile=95.0)

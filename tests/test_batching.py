@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 from flax import nnx
@@ -21,7 +22,6 @@ import vase_jax as vj
 from vase_jax import batching
 from vase_jax.eviction import framework
 from vase_jax.generate import generate_program
-from vase_jax.random_model import HEAD_SCALE, TINY, random_model
 from vase_jax.target import Target
 
 N, B = 64, 16
@@ -32,7 +32,7 @@ MAX_NEW = 130
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(TINY, head_scale=HEAD_SCALE, vocab_size=4096)  # the prompts' ids are below 500
+    return models.peaked()  # the prompts' ids are below 500
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,7 @@ def test_same_key_same_tokens_and_different_keys_differ(model, prompt_batch):
     assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
 
 
+@pytest.mark.script
 @pytest.mark.slow
 def test_bit_identical_across_processes(tiny_untied, model, prompt_batch):
     ids, mask = prompt_batch.input_ids, prompt_batch.attention_mask

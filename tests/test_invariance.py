@@ -142,6 +142,7 @@ def test_bad_batch_invariant_flag():
         vj.GenerateConfig(batch_invariant="yes").validate()
 
 
+@pytest.mark.script
 def test_check_invariance_command():
     """`python -m vase_jax.check_invariance` on the packaged model's folder: one JSON line per dtype, the exit
     status says whether both are invariant; a bad dtype or model is a one-line error."""

@@ -6,6 +6,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import models
 import pytest
 
 from vase_jax import jit
@@ -78,10 +79,9 @@ def test_generate_is_loaded_from_the_persistent_compilation_cache():
     caches are cleared, `generate`'s program is loaded from the cache folder, not compiled again (no part of it,
     Pallas kernels or callbacks, keeps it out of the cache)."""
     import vase_jax as vj
-    from vase_jax.random_model import TINY, random_model
 
     assert jax.config.jax_compilation_cache_dir
-    model = random_model(TINY, jnp.float32)
+    model = models.full_vocab()
     ids = jnp.ones((2, 7), jnp.int32)
     config = vj.GenerateConfig(max_new_tokens=13)
     eviction = vj.EvictionConfig("vase_attnv", budget=32, buffer=8)

@@ -7,6 +7,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ from vase_jax.analysis.kv_error import (
 )
 from vase_jax.cache import init_cache
 from vase_jax.model import dense_attention
-from vase_jax.random_model import HEAD_SCALE, TINY, random_model
+from vase_jax.random_model import TINY
 from vase_jax.target import Target
 
 SETTINGS = parse_settings("K8V8g32,K4V4g32", TINY.head_dim)  # the tiny model's head_dim is 32
@@ -30,12 +31,12 @@ N = 160  # tokens of the test sequence
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(TINY, jnp.float32, head_scale=HEAD_SCALE, vocab_size=1024)
+    return models.peaked()
 
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, 1024, N).astype(np.int32)
+    return np.random.default_rng(0).integers(0, models.VOCAB, N).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,7 @@ def script():
     return load_script("analyze")
 
 
+@pytest.mark.script
 def test_analyze_kv_error_option_writes_the_table(script, tmp_path, capsys):
     out = tmp_path / "analysis"
     rc = script.main(["--random-model", "tiny", "--limit", "1", "--max-new-tokens", "8", "--dtype", "float32",
@@ -157,6 +159,7 @@ def test_analyze_kv_error_option_writes_the_table(script, tmp_path, capsys):
     (["--kv-error", "K8V4g32", "--kv-protected", "1.5"], "--kv-protected=1.5 must be in [0, 1]"),
     (["--kv-protected", "0.5"], "--kv-protected needs --kv-error"),
 ])
+@pytest.mark.script
 def test_analyze_kv_error_bad_values(script, tmp_path, capsys, args, message):
     assert script.main(["--random-model", "tiny", "--out", str(tmp_path / "x"), *args]) == 2
     err = capsys.readouterr().err

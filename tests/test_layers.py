@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 from hlo_utils import per_step_converts
@@ -143,7 +144,7 @@ def test_bf16_generate_holds_no_copy_of_the_embedding_table(layer_loop):
 def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
     """On CPU a bf16 cache is stored as uint16 bits (`Target.storage`): prefill, decode steps and an eviction
     give bit-identical logits and cache contents to a cache stored as bf16 (as GPUs and TPUs store it)."""
-    model = random_model(TINY, jnp.bfloat16, vocab_size=4096)
+    model = models.peaked("bfloat16")
     cpu, gpu = Target.make("cpu"), Target.make("cuda")
     assert cpu.storage(jnp.bfloat16) == jnp.uint16 and cpu.storage(jnp.float32) == jnp.float32
     assert gpu.storage(jnp.bfloat16) == jnp.bfloat16
@@ -182,7 +183,7 @@ def test_bf16_cache_kept_as_bits_computes_exactly_as_floats():
 def test_bf16_decode_step_converts_no_cache_sized_array(method):
     """XLA:CPU converts the whole operand of a bf16 dynamic-update-slice to float32 and back; with the cache kept as
     bits no decode step converts a cache-sized array (every layer's write used to rewrite the stacked cache)."""
-    model = random_model(TINY, jnp.bfloat16, vocab_size=4096)
+    model = models.peaked("bfloat16")
     ids = jnp.ones((2, 64), jnp.int32)
     cfg = vj.GenerateConfig(max_new_tokens=200)
     ev = vj.EvictionConfig(method) if method == "full" else vj.EvictionConfig(method, budget=128, buffer=32)

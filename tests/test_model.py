@@ -127,6 +127,7 @@ def test_unsupported_configs_raise_naming_the_field(change, field):
         vj.Qwen3Config.from_hf_config(hf)
 
 
+@pytest.mark.script
 def test_packaged_tokenizer_is_autotokenizers_without_importing_torch(tokenizer, tmp_path):
     """`load_tokenizer` builds the class AutoTokenizer picks for a Qwen3 folder (`Qwen2Tokenizer`) straight from its
     module, which leaves torch unimported (AutoTokenizer's import chain imports it: 1.5 s of a script's start):

@@ -142,6 +142,7 @@ CLI = ["--model", "tiny", "--target", "cpu", "--method", "vase_dkv", "--budget",
        str(PROMPT), "--max-new-tokens", str(NEW), "--dtype", "float32"]
 
 
+@pytest.mark.script
 def test_plan_script_batch_auto(plan_script, capsys):
     """`--batch auto` plans the engine (in this process: one CPU device, as the suite's)."""
     assert plan_script.main([*CLI, "--batch", "auto", "--samples", "16", "--device-gb", "1", "--json"]) == 0
@@ -165,6 +166,7 @@ def test_plan_script_batch_auto(plan_script, capsys):
     (["--batch", "auto", "--device-gb", "1", "--headroom", "1.5"], "--headroom=1.5"),
     (["--batch", "4", "--samples", "8"], "--samples apply to the engine"),
 ])
+@pytest.mark.script
 def test_plan_script_errors(plan_script, args, needle, capsys):
     with pytest.raises(SystemExit) as info:
         plan_script.main([*CLI, *args])

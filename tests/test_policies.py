@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
@@ -70,14 +71,13 @@ def test_bad_option_names_raise_at_construction(kwargs, names):
     ],
 )
 def test_bad_option_values_raise_before_compiling(kwargs, name):
-    from vase_jax.random_model import TINY, random_model
 
     ev = EvictionConfig(budget=64, buffer=16, **kwargs)
     with pytest.raises(ValueError, match=re.escape(name)):
         ev.validate()
     before = generate_program.traces
     with pytest.raises(ValueError, match=re.escape(name)):
-        vj.generate(random_model(TINY), np.ones((1, 3), np.int32), np.ones((1, 3), np.int32), key=jax.random.key(0),
+        vj.generate(models.full_vocab(), np.ones((1, 3), np.int32), np.ones((1, 3), np.int32), key=jax.random.key(0),
                     eviction=ev, config=vj.GenerateConfig(max_new_tokens=4))
     assert generate_program.traces == before
 
@@ -363,9 +363,8 @@ def test_state_costs_nothing_for_stateless_policies():
     snapkv's whole `generate` was also compared, metadata stripped, with the one before per-slot state existed:
     identical.)"""
     from vase_jax.eviction.attention import WindowScoreOptions, snapkv
-    from vase_jax.random_model import TINY, random_model
 
-    model = random_model(TINY)
+    model = models.full_vocab()
     for name, state in (("snapkv_copy", ()), ("snapkv_stateful", (ATTENTION_MASS,))):
         register(name, options=WindowScoreOptions, needs_queries=True, stochastic=False, state=state)(snapkv)
     try:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
 import vase_jax as vj
-from vase_jax.random_model import HEAD_SCALE, TINY, random_model
 from vase_jax.replay import replay, summarize
 
-VOCAB = 512
+VOCAB = models.VOCAB
 CONFIG = vj.GenerateConfig(max_new_tokens=96, temperature=0.0, eos_token_ids=())
 
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(TINY, jnp.float32, head_scale=HEAD_SCALE, vocab_size=VOCAB)
+    return models.peaked()
 
 
 @pytest.fixture(scope="module")

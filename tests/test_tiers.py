@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import GenerateConfig, decode_step, generate, lower_generate, prefill
 from vase_jax.kvquant import KVBits
-from vase_jax.random_model import TINY, random_model
+from vase_jax.random_model import TINY
 from vase_jax.tiers import init_tiered_cache, tier_layout
 
 B = 16  # the buffer (tick period) of these tests
@@ -24,7 +25,7 @@ B = 16  # the buffer (tick period) of these tests
 
 @pytest.fixture(scope="module")
 def tiny():
-    return random_model(TINY, jnp.float32, seed=0, head_scale=4.0)
+    return models.full_vocab()
 
 
 def _prompts(seed: int = 0):

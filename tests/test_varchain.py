@@ -194,6 +194,7 @@ def _train(out: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.script
 @pytest.mark.slow
 def test_train_resumes_exactly_after_an_interruption(tmp_path):
     straight = _train(tmp_path / "a")
@@ -218,6 +219,7 @@ def test_train_resumes_exactly_after_an_interruption(tmp_path):
 
 
 # ---- the default eval -----------------------------------------------------------------------------------------
+@pytest.mark.script
 @pytest.mark.slow
 def test_default_eval_runs_offline_on_a_small_sample(tmp_path):
     """`python scripts/eval.py` with no model: the packaged one, its task, the default cache settings on one

@@ -71,6 +71,7 @@ def test_folder_without_weights_or_config(tmp_path, tiny_untied):
         vj.Qwen3.from_pretrained(str(tmp_path / "nope"), dtype=jnp.float32)
 
 
+@pytest.mark.script
 @pytest.mark.slow
 def test_orbax_round_trip_with_convert_script(tiny_tied, tmp_path):
     folder, _ = tiny_tied
