@@ -6,6 +6,7 @@
     python -m benchmarks.device_check ...  the one check on a GPU or TPU, in phases under a time budget
 
 Shared by every mode: `timing` (the one timing loop and the one bandwidth probe), `decode_step` (a decode step and
-an eviction event timed alone on filled caches, and the bytes a step reads) and `workload` (the AIME25 protocol
-measured in windows and projected). Named model shapes are the library's (`vase_jax.random_model.named_configs`).
+an eviction event timed alone on filled caches, and the bytes a step reads), `workload` (the AIME25 protocol
+measured in windows and projected) and `report` (number formats, method labels, JSON files). Named model shapes
+are the library's (`vase_jax.random_model.named_configs`).
 """
