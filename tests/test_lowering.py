@@ -5,7 +5,7 @@ For every packaged Qwen3 config's attention geometry (GQA groups 2, 4, 5 and 8 o
 both), `generate` (prefill, decode loop, eviction) is traced
 with `attention_impl="auto"` at the paper's sizes (N = 2048, B = 64; 4096 new tokens) and lowered for `("cuda",)`
 and for `("tpu",)`. Lowering runs every Pallas lowering rule (block shapes, unsupported ops) but does not compile:
-the Triton -> PTX and Mosaic compilers run only on the device (`scripts/device_check.py`).
+the Triton -> PTX and Mosaic compilers run only on the device (`python -m benchmarks.device_check`).
 
 The models are abstract (`nnx.eval_shape`): the real head geometry with a narrow residual stream (hidden 256),
 one layer and a 512-token vocabulary, so tracing is cheap and no weights are allocated.
