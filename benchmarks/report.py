@@ -1,14 +1,22 @@
-"""How the benchmarks write their figures: numbers in tables, method labels, comma lists, JSON files."""
+"""How the benchmarks write their figures: numbers, method labels, comma lists, markdown tables, JSON files."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
 def num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = "") -> str:
     """`x * scale` in format `spec`, then `suffix`; "-" for a figure not measured (None)."""
     return "-" if x is None else f"{x * scale:{spec}}{suffix}"
+
+
+def spread(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
+    """A `timing.Stat` dict as "median [min-max]" (times `scale`); "-" for None."""
+    if stat is None:
+        return "-"
+    return f"{stat['median'] * scale:{spec}} [{stat['min'] * scale:{spec}}-{stat['max'] * scale:{spec}}]"
 
 
 def method_label(method: str, budget: int | None = None) -> str:
@@ -21,7 +29,20 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def table(rows, columns: dict[str, Callable[[dict], object]]) -> list[str]:
+    """A markdown table: `columns`' names as the header, one line per row of `str(column(row))`."""
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(str(f(r)) for f in columns.values()) + " |" for r in rows])
+
+
 def write_json(path: str | Path, obj) -> None:
     """`obj` as indented JSON (arrays as lists, anything else unknown as its text), the folder created."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=2, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
+
+
+def write_results(out_dir: str | None, result: dict, text: str) -> None:
+    """results.json and results.md in `out_dir` (created), when one is given."""
+    if out_dir:
+        write_json(Path(out_dir) / "results.json", result)
+        (Path(out_dir) / "results.md").write_text(text)

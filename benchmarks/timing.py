@@ -109,8 +109,8 @@ def load_warning(load: float) -> str | None:
     """A warning when the machine is busy, or None."""
     if load <= QUIET_LOAD:
         return None
-    return (f"load average {load:.2f} > {QUIET_LOAD}: other processes share the CPU; timings and ratios (HF's "
-            f"thread pool suffers more than XLA's) are not reliable; benchmark on a quiet machine")
+    return (f"load average {load:.2f} > {QUIET_LOAD}: other processes share the CPU; timings and ratios are not "
+            "reliable; benchmark on a quiet machine")
 
 
 def device_desc() -> str:

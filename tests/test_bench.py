@@ -41,7 +41,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "64", "--methods",
             "full,vase_dkv", "--budgets", "32", "--buffer", "8", "--warmup", "0", "--micro-steps", "4",
-            "--compare-hf", "--hf-caches", "dynamic", "--bandwidth-mib", "16", "--out", str(out)]
+            "--bandwidth-mib", "16", "--out", str(out)]
     res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), out
@@ -56,7 +56,7 @@ def _check_stat(stat: dict, repeats: int = 3):
 @pytest.mark.slow
 def test_smoke_outputs_and_positive_figures(smoke):
     result, out = smoke
-    assert {"meta", "bandwidth", "how", "runs", "hf", "segments", "summary"} <= set(result)
+    assert {"meta", "bandwidth", "runs", "segments"} <= set(result)
     assert (out / "results.md").read_text().startswith("Command: `python -m benchmarks.bench --model tiny-1k")
     assert set(result["bandwidth"]) == {"read", "copy"} and all(v > 0 for v in result["bandwidth"].values())
     runs = {(r["method"], r["output_len"]): r for r in result["runs"]}
@@ -68,15 +68,11 @@ def test_smoke_outputs_and_positive_figures(smoke):
             assert r[key] > 0, key
         roof = r["roofline"]
         assert roof["bytes_step_start"] <= roof["bytes_step_mean"] * 1.5 and roof["bound_tok_s"] > 0
-        assert roof["achieved_over_bound"] > 0
+        assert roof["achieved_over_bound"] > 0 and 0 < roof["bound_tok_s_end"] <= roof["bound_tok_s"] * 1.5
     full, dkv = runs["full", 64], runs["vase_dkv", 64]
     assert full["evict_ms"] is None and full["evictions"] == 0 and full["evict_overhead"] == 0
     _check_stat(dkv["evict_ms"], repeats=5)
     assert dkv["evictions"] > 0 and dkv["evict_overhead"] > 0
-    hf = result["hf"]
-    assert [h["cache"] for h in hf] == ["dynamic"]
-    _check_stat(hf[0]["decode_tok_s"])
-    assert hf[0]["ratio_decode"] > 0 and hf[0]["ratio_total"] > 0 and 0 <= hf[0]["tokens_equal_to_ours"] <= 1
 
 
 def test_smoke_schedule_and_cache_bytes(smoke):
@@ -108,13 +104,13 @@ def test_smoke_schedule_and_cache_bytes(smoke):
     (["--repeats", "2"], "--repeats=2"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--model", "tiny-1k", "--layers", "0"], "--layers=0"),
-    (["--compare-hf", "--hf-caches", "paged"], "--hf-caches"),
     (["--workload", "aime25", "--seconds", "0"], "--seconds=0"),
-    (["--workload", "aime25", "--spread-samples", "3"], "runs alone"),
+    (["--workload", "aime25", "--spread-samples", "3"], "not allowed with"),
     (["--workload", "aime25", "--scale", "tiny", "--samples", "0"], "--samples=0"),
     (["--scale", "tiny"], "--scale applies to --workload aime25"),
     (["--kv-bits", "K8V8,K3V3"], "--kv-bits: key_bits=3"),
-    (["--kv-bits", "K8V8", "--compare-hf"], "--kv-bits runs alone"),
+    (["--kv-bits", "K8V8", "--compile-only"], "not allowed with"),
+    (["--micro", "--spread-samples", "3"], "--micro is the decode mode's"),
 ])
 def test_bad_input_is_one_line_error_before_any_work(args, needle, capsys):
     try:
@@ -136,21 +132,13 @@ def _param_count(cfg: vj.Qwen3Config) -> tuple[int, int]:
     return cfg.num_layers * layer + embed + e + (0 if cfg.tie_word_embeddings else embed), embed
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [TINY_1K, shrink(SMALL, layers=1)], ids=["untied", "tied"])
-def test_weight_bytes_and_hf_export(cfg):
-    import torch
-
+def test_weight_bytes(cfg):
     model = vj.Qwen3(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     total, embed = _param_count(cfg)
     assert ds.param_bytes(model) == 4 * total
     # an untied table is read one row per token; a tied one is the LM head, read whole
     assert ds.weight_bytes_per_step(model) == 4 * (total - (0 if cfg.tie_word_embeddings else embed))
-    hf = bench.to_hf(model)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=2e-5, rtol=1e-4)
 
 
 def test_roofline_sums_the_schedule():
