@@ -1,5 +1,5 @@
 """benchmarks.device_check: a clear refusal without an accelerator, its phases' code on CPU at tiny shapes (the
-decode benchmark, the workload's plan on the device it runs on, lowering, invariance) and its report."""
+decode phase's benchmark, the workload's plan on the device it runs on, lowering, invariance) and its report."""
 
 from __future__ import annotations
 
@@ -32,34 +32,37 @@ def test_exits_2_without_an_accelerator(tmp_path):
 
 
 @pytest.mark.slow
-def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
-    # the decode phase's code path, tiny: no eviction and an attention-scored method (its query ring, its eviction)
-    path = tmp_path / "decode.json"
-    result = device_check.decode_benchmark(model="tiny-1k", dtype="float32", batch=2, prompt_len=8, lengths=(64,),
-                                           methods=("full", "vase_attnv"), other_loop=("vase_attnv", "vase_dkv"),
-                                           budget=32, buffer=16, micro_steps=2,
-                                           repeats=3, json_path=str(path), bandwidth_mib=16)
-    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
-    rows = {r["method"]: r for r in result["rows"]}
-    # vase_dkv: not among the methods; CPU's layer loop is the switched one, the other is unrolled
-    assert result["meta"]["layer_loop"] == "switch"
-    assert set(rows) == {"full", "full K4V4", "vase_attnv@32", "vase_attnv@32 (unroll)"}
-    for r in rows.values():
-        assert r["tokens"] == 64 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 and r["step_ms"] > 0
-    assert rows["vase_attnv@32"]["evict_ms"] > 0
-    assert rows["full"]["live_slots"] > rows["vase_attnv@32"]["live_slots"]
-    # the mixed-precision step: the same live tokens, a quarter of the capacity in 16 bits, the rest
-    # quantized, so fewer bytes per step than the 16-bit cache's
-    k4 = rows["full K4V4"]
-    assert k4["live_slots"] == rows["full"]["live_slots"] and k4["quantized_slots"] > 0 and k4["x_bf16_step"] > 0
-    assert k4["bytes_per_step"] < rows["full"]["bytes_per_step"]
+def test_decode_phase_and_report_on_cpu(device_check, tmp_path):
+    """The decode phase's benchmark (`bench --micro` with the phase's flags), tiny: no eviction and an
+    attention-scored method (its query ring, its eviction), full's step on a K4V4 cache; then the report's targets
+    from it and from the other phases' results."""
+    from benchmarks import bench
 
-    kernels = dict(meta=dict(copy_bandwidth_gb_per_s=100.0, dtype="bfloat16", kv_heads=8, group=4, head_dim=128,
-                             window=64),
-                   results=[dict(op="decode", impl="triton", batch=16, length=n, ms=1.0, gb_per_s=80.0,
-                                 fraction_of_copy_bw=0.8, bytes=1) for n in (4096, 16384)])
+    tiny = {"--model": "tiny-1k", "--dtype": "float32", "--batch": "2", "--prompt-len": "8", "--output-lens": "64",
+            "--methods": "full,vase_attnv", "--budgets": "32", "--buffer": "16", "--micro-steps": "2",
+            "--bandwidth-mib": "16", "--out": str(tmp_path / "decode")}
+    assert bench.main(device_check.flags(device_check.DECODE | tiny)) == 0
+    result = json.loads((tmp_path / "decode" / "results.json").read_text())
+    rows = {bench.label(r): r for r in result["runs"]}
+    assert set(rows) == {"full", "vase_attnv@32"}
+    for r in rows.values():
+        roof = r["roofline"]
+        assert r["output_len"] == 64 and r["tok_s_end"] > 0 and roof["bound_tok_s_end"] > 0 and r["step_ms_end"]
+        assert "total_s" not in r and "step_ms_start" not in r  # no generate run, no first-step figure
+    assert rows["vase_attnv@32"]["evict_ms"]["median"] > 0 and rows["vase_attnv@32"]["eviction_share"] > 0
+    assert rows["full"]["live_slots_end"] > rows["vase_attnv@32"]["live_slots_end"]
+    # the mixed-precision step: the same live tokens, a quarter of the capacity in 16 bits, the rest quantized, so
+    # fewer bytes per step than the 16-bit cache's
+    (k4,) = rows["full"]["kv"]
+    assert k4["kv_bits"] == "K4V4" and k4["quantized_slots"] > 0 and k4["x_bf16_step"] > 0
+    assert k4["bytes_per_step"] < rows["full"]["roofline"]["bytes_step_end"]
+
+    kernels = dict(meta=dict(copy_bandwidth_gb_per_s=100.0), results=[
+        dict(op="decode", impl="triton", batch=16, length=n, ms=1.0, gb_per_s=80.0, fraction_of_copy_bw=0.8)
+        for n in (4096, 16384)])
+    table = (tmp_path / "decode" / "results.md").read_text()
     # pretend these were the real lengths and methods
-    result["rows"] = [dict(r, tokens=16384, method=r["method"].replace("attnv", "dkv")) for r in result["rows"]]
+    result["runs"] = [dict(r, output_len=16384, method=r["method"].replace("attnv", "dkv")) for r in result["runs"]]
     memory = device_check.memory_peak(model="tiny-1k", dtype="float32", batch=2, prompt_len=8, budget=32, buffer=16,
                                       new_tokens=64)
     assert memory["evictions"] >= 1 and memory["peak"] is None  # CPU devices report no memory statistics
@@ -72,15 +75,16 @@ def test_decode_benchmark_and_report_on_cpu(device_check, tmp_path):
                               lowering=dict(status="done", seconds=1, comparison=lowering),
                               memory=dict(status="done", seconds=1, results=memory),
                               kernels=dict(status="done", seconds=1, results=kernels),
-                              decode=dict(status="done", seconds=1, results=result)))
-    report["targets"] = device_check.targets(report)
-    assert report["targets"]["decode kernel >= 70% of copy bandwidth (batch 16, 4k-16k slots)"].startswith("met")
-    assert "vase_dkv vs full tokens/s at 16k >= 2.3x" in report["targets"]
-    assert "full K4V4 decode step at 16k <= 0.6x the 16-bit cache's" in report["targets"]
-    assert report["targets"]["device peak <= weights + cache + 2 GiB"].startswith("met")
-    assert report["targets"]["the device's lowering equals the CPU host's"] == "not met: 2 lines differ"
-    table = device_check.markdown(report)
-    assert "| vase_dkv@32 | 16384 |" in table and "## Targets" in table and "DIFFERENT" in table
+                              decode=dict(status="done", seconds=1, results=result, table=table)))
+    t = report["targets"] = device_check.targets(report)
+    assert t["decode kernel >= 70% of copy bandwidth (batch 16, 4k-16k slots)"].startswith("met")
+    assert "vase_dkv vs full tokens/s at 16k >= 2.3x" in t
+    assert "vase_dkv@2048 decode step at 16k >= 0.75 of its bytes bound" in t
+    assert "full K4V4 decode step at 16k <= 0.6x the 16-bit cache's" in t
+    assert t["device peak <= weights + cache + 2 GiB"].startswith("met")
+    assert t["the device's lowering equals the CPU host's"] == "not met: 2 lines differ"
+    text = device_check.markdown(report)
+    assert "## decode" in text and "| vase_attnv@32 | 64 |" in text and "## Targets" in text
 
 
 @pytest.mark.slow
@@ -93,9 +97,9 @@ def test_lowering_phase_on_this_host(device_check):
     assert not device_check.compare_lowerings(cuda, device_check.lowered_text(None, **small))["identical"]
 
 
-def test_issue_25_phases_in_the_report(device_check):
-    """The sweep, workload and events phases' sections and targets, from results shaped as their producers write
-    them (kernels.sweep_decode, bench --workload aime25, decode_benchmark's eviction_share)."""
+def test_sweep_workload_and_events_in_the_report(device_check):
+    """The sweep, workload and events phases' targets, from results shaped as their producers write them
+    (`kernel_sweep`, bench --workload aime25, bench --micro's eviction_share), and the sweep's table."""
 
     def shape(batch, slots, table_share, best_share):
         return dict(shape=dict(batch=batch, kv_heads=8, group=5, head_dim=128, slots=slots, dtype="bfloat16"),
@@ -111,11 +115,11 @@ def test_issue_25_phases_in_the_report(device_check):
         return {"methods": [dict(label=label, rows=rows, peak_bytes=100 * 2**30, plan=dict(total=98 * 2**30),
                                  protocol=dict(seconds=seconds, tok_s=3600.0, step_ms=30.0, utilization=0.6))]}
 
-    events = dict(meta=dict(batch=64, budget=2048, buffer=64),
-                  rows=[dict(method="vase_dkv@2048", step_ms=20.0, evict_ms=25.6, eviction_share=0.02),
-                        dict(method="vase_attnv@2048", step_ms=20.0, evict_ms=51.2, eviction_share=0.04)])
+    events = dict(runs=[dict(method="vase_dkv", budget=2048, eviction_share=0.02),
+                        dict(method="vase_attnv", budget=2048, eviction_share=0.04)])
     report = dict(started="now", seconds=1.0, environment=dict(backend="gpu", device_kind="H200", jax="0", python="3"),
-                  phases=dict(sweep=dict(status="done", seconds=80, results=sweep),
+                  phases=dict(sweep=dict(status="done", seconds=80, results=sweep,
+                                         table=device_check.sweep_markdown(sweep)),
                               workload=dict(status="done", seconds=200, results={
                                   "vase_dkv@2048": workload("vase_dkv@2048", 260, 1700.0),
                                   "full": workload("full", 20, 9000.0),
@@ -131,10 +135,8 @@ def test_issue_25_phases_in_the_report(device_check):
         "met: 28.3 min at 260 rows (full: 150.0 min at 20 rows)")
     report["targets"] = t
     table = device_check.markdown(report)
-    assert "| 128 | 8 | 5 | 2048 | 1.000 | 60% | 0.800 | 71% |" in table
-    assert "| vase_dkv@2048 | 260 | 30.00 | 3600 | 0.60 | 28.3 | 100.00 | 98.00 |" in table
-    assert "| vase_attnv@2048 | time budget |" in table and "| vase_attnv@2048 | 20.00 | 51.20 | 4.0% |" in table
-    assert set(device_check.PHASES) == set(device_check.CAPS)
+    assert "| 128 | 8 | 5 | 2048 | 1.000 | 60% | 0.800 | 71% |" in table and "TABLE = {}" in table
+    assert "- workload vase_attnv@2048: time budget" in table
     assert set(device_check.WORKLOAD_DEFAULT) <= set(device_check.WORKLOAD_SHARE)
 
 
@@ -156,26 +158,22 @@ def test_workload_phase_plans_its_rows_on_its_device(device_check, tmp_path):
     assert rec["plan"]["total"] <= usable and rec["rows_reason"].startswith(("limited by memory", "capped at"))
     assert rec["schedules_match_engine"] and rec["protocol"]["tok_s"] > 0
     report = dict(started="now", seconds=1.0, environment=dict(backend="cpu", device_kind="cpu", jax="0", python="3"),
-                  phases=dict(workload=dict(status="done", seconds=1, results={"vase_dkv@32": res})))
-    planned = f"{rec['plan']['total'] / 2**30:.2f} |"
-    assert f"| vase_dkv@32 | {rec['rows']} |" in device_check.markdown(report)
-    assert device_check.markdown(report).splitlines()[-1].endswith(planned)
+                  phases=dict(workload=dict(status="done", seconds=1, results={"vase_dkv@32": res},
+                                            table=(tmp_path / "w" / "results.md").read_text())))
+    text = device_check.markdown(report)
+    assert f"| vase_dkv@32 | {rec['rows']} |" in text and f"| {rec['plan']['total'] / 2**30:.2f} |" in text
 
 
 def test_invariance_phase_on_cpu(device_check, tmp_path):
     """The invariance phase's code path, tiny: the probe's rule, row 0's tokens alone and in batches of
-    2 and 3 (identical here), a call's time at 1 and 3 rows with invariance on and off, and its report section."""
-    path = tmp_path / "invariance.json"
+    2 and 3 (identical here), a call's time at 1 and 3 rows with invariance on and off, and its table."""
     result = device_check.invariance_check(probe_model="tiny-1k", model="tiny-1k", layers=1, batches=(1, 2, 3),
-                                           new_tokens=16, json_path=str(path))
-    assert json.loads(path.read_text()) == result
+                                           new_tokens=16, out=str(tmp_path))
+    assert json.loads((tmp_path / "results.json").read_text()) == result
     assert result["probe"]["invariant"] and result["probe"]["min_rows"] >= 2  # CPU: a lone row runs beside a copy
     assert set(result["rows"]) == {f"{m}@{b}" for m in ("full", "vase_dkv") for b in (1, 2, 3)}
     assert all(row["identical"] for row in result["rows"].values()), result["rows"]
     assert set(result["seconds"]) == {"1 on", "1 off", "3 on", "3 off"}
-    report = {"environment": {"device_kind": "cpu", "backend": "cpu", "jax": jax.__version__, "python": "3"},
-              "started": "now", "seconds": 1.0,
-              "phases": {"invariance": {"status": "passed", "seconds": 1, "results": result}}}
-    table = device_check.markdown(report)
-    assert "Batch invariance: " in table and "| vase_dkv@3 | none |" in table
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("Batch invariance: ") and "| vase_dkv@3 | none |" in table
     assert "3 rows x 16 tokens:" in table
