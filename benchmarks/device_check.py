@@ -125,27 +125,13 @@ SWEEP_SHAPES = tuple((b, 8, g, 128, n, "bfloat16") + ((cap,) if cap else ())  # 
 
 
 def kernel_sweep(seconds: float, out: str | None = None, shapes=SWEEP_SHAPES, **kwargs) -> dict:
-    """`kernels.sweep_decode` on `shapes` within `seconds`, one shape at a time, the results rewritten after each
-    (a sweep stopped for time keeps the shapes it finished): each shape's time with the table's launch parameters
-    and with the best found, as fractions of the read bandwidth, and the table rows to paste."""
+    """`kernels.sweep_decode` on `shapes` within `seconds`, the results written after each shape: each shape's
+    time with the table's launch parameters and with the best found, as fractions of the read bandwidth, and the
+    table rows to paste."""
     from benchmarks.kernels import sweep_decode
 
-    deadline = time.time() + seconds
-    result: dict = {}
-    for i, shape in enumerate(shapes):
-        share = (deadline - time.time()) / (len(shapes) - i)
-        if share < 1:
-            break
-        one = sweep_decode([shape], None, share, log=lambda m: print(m, flush=True), **kwargs)
-        if not result:
-            result = dict(one, shapes=[], entries=[], table_text="")
-            kwargs.setdefault("read_bandwidth_bytes_s", one["read_bandwidth_gb_s"] * 1e9)  # measured once
-        result["shapes"] += one["shapes"]
-        result["entries"] += one.get("entries", [])
-        result["table_text"] += one.get("table_text", "")
-        result["seconds"] = seconds - (deadline - time.time())
-        write_results(out, result, sweep_markdown(result))
-    return result
+    return sweep_decode(shapes, None, seconds, log=lambda m: print(m, flush=True),
+                        on_shape=lambda r: write_results(out, r, sweep_markdown(r)), **kwargs)
 
 
 def _table_result(entry: dict) -> dict:

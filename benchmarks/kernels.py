@@ -40,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from benchmarks.report import ints, write_json
@@ -322,6 +321,7 @@ def sweep_decode(
     repeats: int = 3,
     device_kind: str | None = None,
     log: Callable[[str], None] = print,
+    on_shape: Callable[[dict], None] | None = None,
 ) -> dict:
     """Time the decode kernel's launch parameters on each shape, within about `seconds_budget` seconds.
 
@@ -336,6 +336,8 @@ def sweep_decode(
       interpret: run the Triton kernel in interpret mode; default: off a GPU (CPU tests: tiny shapes only).
       target_ms: length of one timed program (calls x per-call time); dispatch is paid once per program.
       device_kind: the table's kind for the table params and rows; default: `decode_tuning.current_device_kind()`.
+      on_shape: called with the result so far after each shape (to write it: a sweep stopped for time keeps the
+        shapes it finished).
 
     Returns a JSON-able dict: device_kind, sm_count, jax, interpret, read_bandwidth_gb_s, budget_s, seconds,
     shapes: [{shape, layers, table (the table's params), results: [{params, source, ms, gb_per_s,
@@ -354,15 +356,21 @@ def sweep_decode(
     log(f"decode sweep on {kind} ({sms} SMs), {'interpret mode, ' if interpret else ''}read bandwidth "
         f"{read_bandwidth_bytes_s / 1e9:.0f} GB/s, {len(shapes)} shapes, budget {seconds_budget:.0f} s")
     out = []
+
+    def result() -> dict:
+        entries = fit_entries(out, kind, sms)
+        return dict(device_kind=kind, sm_count=sms, jax=jax.__version__, interpret=interpret,
+                    read_bandwidth_gb_s=read_bandwidth_bytes_s / 1e9, budget_s=seconds_budget,
+                    seconds=time.time() - start, shapes=out, entries=entries,
+                    table_text="\n".join(e["text"] for e in entries))
+
     for i, shape in enumerate(shapes):
         share = (start + seconds_budget - time.time()) / (len(shapes) - i)
         out.append(_sweep_shape(shape, candidates, share, kind, sms, read_bandwidth_bytes_s, interpret, on_gpu,
                                 target_ms, repeats, log))
-    entries = fit_entries(out, kind, sms)
-    return dict(device_kind=kind, sm_count=sms, jax=jax.__version__, interpret=interpret,
-                read_bandwidth_gb_s=read_bandwidth_bytes_s / 1e9, budget_s=seconds_budget,
-                seconds=time.time() - start, shapes=out, entries=entries,
-                table_text="\n".join(e["text"] for e in entries))
+        if on_shape is not None:
+            on_shape(result())
+    return result()
 
 
 def _sweep_shape(shape, candidates, share, kind, sms, bandwidth, interpret, on_gpu, target_ms, repeats, log) -> dict:
@@ -459,25 +467,19 @@ def _fit_programs(recs: list[dict], launch, base: DecodeTuning, sms: int | None)
 # ---------------------------------------------------------------------------------------------------------------
 # the benchmark table (XLA reference vs the platform's kernels)
 # ---------------------------------------------------------------------------------------------------------------
-def decode_impls(args, platform: str) -> list[tuple[str, Callable]]:
-    """[(label, attend(q, k, v, pos, lengths, layer=l))]: the XLA path, then the kernels this platform runs."""
-    impls = [("xla", functools.partial(decode_attention_reference, block_size=args.block_size))]
-    triton = functools.partial(decode_attention, block_size=args.block_size, num_splits=args.num_splits,
-                               interpret=platform != "gpu")
-    tpu = functools.partial(decode_attention_tpu, block_size=args.tpu_block_size,
-                            interpret=dispatch.tpu_interpret_params() if platform != "tpu" else False)
-    families = {"gpu": [("triton", triton)], "tpu": [("tpu", tpu)]}.get(
-        platform, [("triton-interp", triton), ("tpu-interp", tpu)] if args.interpret else [])
-    return impls + families
-
-
-def score_impls(args, platform: str) -> list[tuple[str, Callable]]:
-    impls = [("xla", functools.partial(window_score, impl="xla"))]
-    triton = functools.partial(window_score, impl="pallas_gpu", block_keys=args.score_block_keys)
-    tpu = functools.partial(window_score, impl="pallas_tpu", block_keys=args.tpu_score_block_keys)
-    families = {"gpu": [("triton", triton)], "tpu": [("tpu", tpu)]}.get(
-        platform, [("triton-interp", triton), ("tpu-interp", tpu)] if args.interpret else [])
-    return impls + families
+def impls(op: str, platform: str, interpret: bool) -> list[tuple[str, Callable]]:
+    """[(label, fn)] of decode attention (`attend(q, k, v, pos, lengths, layer=l)`) or the window score, as the
+    library calls them (the tuning table's or the kernel's own launch parameters): the XLA path, then the kernels
+    this platform runs (off a GPU or TPU: both families in interpret mode with `interpret`, else none)."""
+    if op == "decode":
+        xla = decode_attention_reference
+        triton = functools.partial(decode_attention, interpret=platform != "gpu")
+        tpu = functools.partial(decode_attention_tpu, interpret=platform != "tpu" and dispatch.tpu_interpret_params())
+    else:
+        xla, triton, tpu = (functools.partial(window_score, impl=i) for i in ("xla", "pallas_gpu", "pallas_tpu"))
+    kernels = {"gpu": [("triton", triton)], "tpu": [("tpu", tpu)]}.get(
+        platform, [("triton-interp", triton), ("tpu-interp", tpu)] if interpret else [])
+    return [("xla", xla), *kernels]
 
 
 def time_scores(fn: Callable, batch: int, length: int, args, dtype, *, bandwidth: float, on_device: bool,
@@ -508,49 +510,37 @@ def time_scores(fn: Callable, batch: int, length: int, args, dtype, *, bandwidth
 def main(argv=None) -> list[dict]:
     platform = jax.default_backend()
     on_accel = platform in ("gpu", "tpu")  # an accelerator: full sweep, bfloat16, compiled kernels
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--lengths", type=ints, default=[1024, 4096, 8192, 16384, 32768] if on_accel else [256, 1024]
-    )
-    parser.add_argument("--batches", type=ints, default=[1, 4, 16] if on_accel else [1, 4])
-    parser.add_argument("--capacity", type=int, default=0, help="cache capacity (default: the length itself)")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--window", type=int, default=64, help="window queries of the eviction score")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if on_accel else "float32")
-    parser.add_argument("--block-size", type=int, default=None, help="Triton decode kernel: slots per block "
-                        "(default: the tuning table's; the XLA reference: 64)")
-    parser.add_argument("--num-splits", type=int, default=None, help="Triton decode kernel: splits per row "
-                        "(default: the tuning table's rule)")
-    parser.add_argument("--tpu-block-size", type=int, default=1024, help="TPU decode kernel: slots per block")
-    parser.add_argument("--score-block-keys", type=int, default=64, help="Triton score kernel: keys per block")
-    parser.add_argument("--tpu-score-block-keys", type=int, default=512, help="TPU score kernel: keys per block")
-    parser.add_argument("--which", default="decode,scores", help="comma list of: decode, scores")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed program")
-    parser.add_argument(
-        "--interpret", action="store_true", help="on CPU: also run both kernel families in interpret mode"
-    )
-    parser.add_argument("--copy-mib", type=int, default=DEVICE_PROBE_BYTES >> 20 if on_accel else 64,
-                        help="MiB of the read and copy bandwidth measurements")
-    parser.add_argument("--sweep-budget", type=float, default=0.0, help="seconds: instead of the table, sweep the "
-                        "decode kernel's launch parameters on the batches x lengths shapes (`sweep_decode`)")
-    parser.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--lengths", type=ints, default=[1024, 4096, 8192, 16384, 32768] if on_accel else [256, 1024])
+    a("--batches", type=ints, default=[1, 4, 16] if on_accel else [1, 4])
+    a("--kv-heads", type=int, default=8)
+    a("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
+    a("--head-dim", type=int, default=128)
+    a("--window", type=int, default=64, help="window queries of the eviction score")
+    a("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if on_accel else "float32")
+    a("--which", default="decode,scores", help="comma list of: decode, scores")
+    a("--repeats", type=int, default=5)
+    a("--target-ms", type=float, default=20.0, help="length of one timed program")
+    a("--interpret", action="store_true", help="on CPU: also run both kernel families in interpret mode")
+    a("--copy-mib", type=int, default=DEVICE_PROBE_BYTES >> 20 if on_accel else 64,
+      help="MiB of the read and copy bandwidth measurements")
+    a("--sweep-budget", type=float, default=0.0, help="seconds: instead of the table, sweep the decode kernel's "
+      "launch parameters on the batches x lengths shapes (`sweep_decode`)")
+    a("--json", dest="json_out", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
     if args.repeats < 3:
-        parser.error(f"--repeats={args.repeats} must be >= 3")
+        p.error(f"--repeats={args.repeats} must be >= 3")
     whats = [w for w in args.which.split(",") if w]
-    for what in whats:
-        if what not in ("decode", "scores"):
-            parser.error(f"--which has {what!r}; allowed: decode, scores")
+    if set(whats) - {"decode", "scores"}:
+        p.error(f"--which={args.which!r}; allowed: decode, scores")
 
     dtype = jnp.dtype(args.dtype)
     bw = bandwidth(args.copy_mib << 20, args.repeats)
     read_bw, copy_bw = bw["read"], bw["copy"]
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
-    print(f"bandwidth over {args.copy_mib} MiB: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s")
+    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}; bandwidth over "
+          f"{args.copy_mib} MiB: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s")
     if args.sweep_budget > 0:
         shapes = [(b, args.kv_heads, args.group, args.head_dim, n, args.dtype) for b in args.batches
                   for n in args.lengths]
@@ -563,55 +553,42 @@ def main(argv=None) -> list[dict]:
         return result["shapes"]
 
     rows = []
-    header = f"{'op':<7} {'impl':<13} {'batch':>5} {'length':>7} {'ms':>9} {'GB/s':>8} {'% read':>7} {'% copy':>7}"
-    print(header)
-    print("-" * len(header))
+    meta = dict(device=device.device_kind, backend=platform, jax=jax.__version__, read_bandwidth_gb_per_s=read_bw / 1e9,
+                copy_bandwidth_gb_per_s=copy_bw / 1e9, interpret=not on_accel and args.interpret,
+                timing="best of --repeats runs of one program of many calls, divided by the calls",
+                **{k: getattr(args, k) for k in ("dtype", "kv_heads", "group", "head_dim", "window", "target_ms")})
 
-    def report(row: dict) -> None:
+    def add(row: dict) -> None:  # written as it comes: a run stopped for time keeps the rows it has
         rows.append(row)
-        print(f"{row['op']:<7} {row['impl']:<13} {row['batch']:>5} {row['length']:>7} {row['ms']:>9.4f} "
-              f"{row['gb_per_s']:>8.1f} {100 * row['fraction_of_read_bw']:>6.1f}% "
-              f"{100 * row['fraction_of_copy_bw']:>6.1f}%")
+        print(f"{row['op']:<7} {row['impl']:<13} {row['batch']:>5} {row['length']:>7} {row['ms']:>9.4f} ms "
+              f"{row['gb_per_s']:>8.1f} GB/s {100 * row['fraction_of_copy_bw']:>6.1f}% of copy", flush=True)
+        if args.json_out:
+            write_json(args.json_out, dict(meta=meta, results=rows))
 
     for batch in args.batches:
         for length in args.lengths:
             if "decode" in whats:
-                shape = DecodeShape(batch, args.kv_heads, args.group, args.head_dim, length, args.dtype,
-                                    max(args.capacity, length))
+                shape = DecodeShape(batch, args.kv_heads, args.group, args.head_dim, length, args.dtype)
                 bench = DecodeBench.make(shape, bandwidth=read_bw, target_s=args.target_ms / 1e3, on_device=on_accel,
                                          repeats=args.repeats)
-                for impl, attend in decode_impls(args, platform):
+                for impl, attend in impls("decode", platform, args.interpret):
                     lowered, calls = bench.lower(attend, XLA_FRACTION if impl == "xla" else 0.5)
                     seconds = bench.time(lowered.compile(), calls)
-                    report(dict(op="decode", impl=impl, batch=batch, length=length, **bench.row(seconds, calls),
-                                fraction_of_copy_bw=shape.bytes_read() / seconds / copy_bw))
+                    add(dict(op="decode", impl=impl, batch=batch, length=length, **bench.row(seconds, calls),
+                             fraction_of_copy_bw=shape.bytes_read() / seconds / copy_bw))
                 del bench.inputs
-            if "scores" in whats:
-                for impl, fn in score_impls(args, platform):
-                    seconds, num_bytes = time_scores(
-                        fn, batch, length, args, dtype, bandwidth=read_bw, on_device=on_accel,
-                        target_s=args.target_ms / 1e3, expected_fraction=XLA_FRACTION if impl == "xla" else 0.3)
-                    # one q.k per (window query row, key): the score is compute-bound (G x W rows per kv head)
-                    flops = 2 * batch * args.kv_heads * args.group * args.window * length * args.head_dim
-                    report(dict(op="scores", impl=impl, batch=batch, length=length, ms=seconds * 1e3,
-                                gb_per_s=num_bytes / seconds / 1e9, fraction_of_read_bw=num_bytes / seconds / read_bw,
-                                fraction_of_copy_bw=num_bytes / seconds / copy_bw, bytes=num_bytes,
-                                tflop_per_s=flops / seconds / 1e12))
-    if args.json_out:
-        meta = dict(
-            device=device.device_kind, backend=platform, jax=jax.__version__, dtype=args.dtype,
-            read_bandwidth_gb_per_s=read_bw / 1e9, copy_bandwidth_gb_per_s=copy_bw / 1e9, kv_heads=args.kv_heads,
-            group=args.group, head_dim=args.head_dim, window=args.window, block_size=args.block_size,
-            num_splits=args.num_splits, tpu_block_size=args.tpu_block_size, score_block_keys=args.score_block_keys,
-            tpu_score_block_keys=args.tpu_score_block_keys, target_ms=args.target_ms,
-            interpret=platform not in ("gpu", "tpu") and args.interpret,
-            timing="best of --repeats runs of one program of many calls, divided by the calls",
-        )
-        write_json(args.json_out, dict(meta=meta, results=rows))
-        print(f"wrote {args.json_out}")
+            for impl, fn in impls("scores", platform, args.interpret) if "scores" in whats else ():
+                seconds, num_bytes = time_scores(
+                    fn, batch, length, args, dtype, bandwidth=read_bw, on_device=on_accel,
+                    target_s=args.target_ms / 1e3, expected_fraction=XLA_FRACTION if impl == "xla" else 0.3)
+                # one q.k per (window query row, key): the score is compute-bound (G x W rows per kv head)
+                flops = 2 * batch * args.kv_heads * args.group * args.window * length * args.head_dim
+                add(dict(op="scores", impl=impl, batch=batch, length=length, ms=seconds * 1e3,
+                         gb_per_s=num_bytes / seconds / 1e9, fraction_of_read_bw=num_bytes / seconds / read_bw,
+                         fraction_of_copy_bw=num_bytes / seconds / copy_bw, bytes=num_bytes,
+                         tflop_per_s=flops / seconds / 1e12))
     return rows
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=4)
     main()
