@@ -146,6 +146,9 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
         for name, value in aime[args.scale].items():
             if getattr(args, name) is None and not (name == "batch" and args.device_gb is not None):
                 setattr(args, name, value)
+        total = (wl.AIME25 if args.scale == "protocol" else wl.AIME25_TINY)["total_tokens"]
+        if args.prompt_len + 2 > total:
+            raise ValueError(f"--prompt-len={args.prompt_len}: a sample holds at most {total} tokens, prompt included")
         if not args.seconds > 0:
             raise ValueError(f"--seconds={args.seconds} must be > 0")
         if not 0 <= args.headroom < 1:

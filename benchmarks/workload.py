@@ -374,34 +374,12 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, seconds_per_
     else the plan's total. `on_method(result so far)` is called after each method (to write results as they come).
     Returns a JSON-able dict {"meta": ..., "methods": [one record per method]}.
     """
-    if not methods or not all(isinstance(ev, EvictionConfig) for ev in methods):
-        raise ValueError(f"methods={methods!r}: give a non-empty list of EvictionConfig")
-    for ev in methods:
-        ev.validate()
-    if not isinstance(prompt_len, int) or prompt_len < 1:
-        raise ValueError(f"prompt_len={prompt_len!r} must be a positive int")
-    if not isinstance(total_tokens, int) or total_tokens < prompt_len + 2:
-        raise ValueError(f"total_tokens={total_tokens!r} must be an int >= prompt_len + 2 = {prompt_len + 2}")
-    if not seconds_per_method > 0:
-        raise ValueError(f"seconds_per_method={seconds_per_method!r} must be > 0")
-    if not 0 < check_share < 1:
-        raise ValueError(f"check_share={check_share!r} must be in (0, 1)")
+    # the arguments as `benchmarks.bench` checks them (one place): methods validated, labels of `batch` among them
     labels = [method_label(ev.method, ev.evicts and ev.budget) for ev in methods]
     per_method = batch if isinstance(batch, dict) else dict.fromkeys(labels, batch)
-    for key, rows in per_method.items():
-        if key not in labels:
-            raise ValueError(f"batch: {key!r} is not one of the methods ({', '.join(labels)})")
-        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-            raise ValueError(f"batch={batch!r}: rows must be positive ints, or None (the largest that fits)")
-    if not isinstance(first_window, int) or first_window < 2:
-        raise ValueError(f"first_window={first_window!r} must be an int >= 2")
     cap = total_tokens - prompt_len
     lengths = lognormal_lengths(samples, median=median, sigma=sigma, cap=cap, seed=seed)
     device = model_device(model)
-    if (any(per_method.get(label) is None for label in labels) and device_bytes is None and
-            planner.device_memory(device) is None):
-        raise ValueError(f"batch=None: the {device.platform} device reports no memory size; give batch or "
-                         "device_bytes")
     config = GenerateConfig(max_new_tokens=cap, eos_token_ids=(), attention_impl=attention_impl,
                             layer_loop=layer_loop).validate()
     reads = attention_reads(platform_of(device), attention_impl)

@@ -107,6 +107,7 @@ def test_smoke_schedule_and_cache_bytes(smoke):
     (["--workload", "aime25", "--seconds", "0"], "--seconds=0"),
     (["--workload", "aime25", "--spread-samples", "3"], "not allowed with"),
     (["--workload", "aime25", "--scale", "tiny", "--samples", "0"], "--samples=0"),
+    (["--workload", "aime25", "--scale", "tiny", "--prompt-len", "300"], "--prompt-len=300"),
     (["--scale", "tiny"], "--scale applies to --workload aime25"),
     (["--kv-bits", "K8V8,K3V3"], "--kv-bits: key_bits=3"),
     (["--kv-bits", "K8V8", "--compile-only"], "not allowed with"),
