@@ -499,20 +499,21 @@ def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionCon
 
     if micro_mode:
         probe()
-    for n in sorted(args.output_lens, reverse=micro_mode):
-        for ev in configs:
-            if micro_mode and args.deadline is not None and time.time() > args.deadline:
-                result["runs"].append({"method": ev.method, "budget": ev.budget if ev.evicts else None,
-                                       "output_len": n, "skipped": "deadline"})
-                continue
-            r = bench.micro(ev, n) if micro_mode else bench.run(ev, n)[0]
-            release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
-            result["runs"].append(r)
-            print(f"{label(r):>20} n={n:<6} step {spread(r['step_ms_end'], spec='.2f')} ms, tok/s end "
-                  f"{r['tok_s_end']:.1f}" + ("" if micro_mode else f", decode {spread(r['decode_tok_s'])} tok/s"),
-                  flush=True)
-            if micro_mode:
-                write()
+    pairs = ([(n, ev) for n in sorted(args.output_lens, reverse=True) for ev in configs] if micro_mode else
+             [(n, ev) for ev in configs for n in args.output_lens])
+    for n, ev in pairs:
+        if micro_mode and args.deadline is not None and time.time() > args.deadline:
+            result["runs"].append({"method": ev.method, "budget": ev.budget if ev.evicts else None,
+                                   "output_len": n, "skipped": "deadline"})
+            continue
+        r = bench.micro(ev, n) if micro_mode else bench.run(ev, n)[0]
+        release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
+        result["runs"].append(r)
+        print(f"{label(r):>20} n={n:<6} step {spread(r['step_ms_end'], spec='.2f')} ms, tok/s end "
+              f"{r['tok_s_end']:.1f}" + ("" if micro_mode else f", decode {spread(r['decode_tok_s'])} tok/s"),
+              flush=True)
+        if micro_mode:
+            write()
     if not micro_mode:
         probe()
         result["segments"] = segments(result["runs"], bench.batch)
@@ -787,8 +788,8 @@ def kv_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig]
             "method": label, "cache": lambda r: r["kv_bits"], "16-bit slots P": lambda r: num(r["protected"], ".0f"),
             "bytes/token (K+V, one kv head)": lambda r: r["token_bytes"], "cache MiB": lambda r:
             f"{r['cache_bytes'] / 2**20:.2f}", "x bf16": lambda r: f"{r['x_bf16_cache']:.3f}", "program MiB": lambda r:
-            num(r["program_bytes"], ".1f", 2**-20), "decode tok/s": lambda r: num(r["decode_tok_s"]), "x bf16 ": lambda
-            r: num(r["x_bf16_decode"], ".2f", suffix="x"), "tokens = bf16": lambda r:
+            num(r["program_bytes"], ".1f", 2**-20), "decode tok/s": lambda r: num(r["decode_tok_s"]), "decode x bf16":
+            lambda r: num(r["x_bf16_decode"], ".2f", suffix="x"), "tokens = bf16": lambda r:
             f"{100 * r['tokens_agree_with_bf16']:.0f}%"})]) + "\n"
     print(text)
     write_results(args.out, {"meta": m, "kv": rows}, text)

@@ -239,6 +239,17 @@ def test_kv_bits_report(tmp_path):
     assert (tmp_path / "results.md").read_text().startswith("# Mixed-precision KV cache")
 
 
+def test_compile_only(tmp_path):
+    """--compile-only: the program `Bench.run` would time, compiled and not run: seconds, HLO lines, temporaries."""
+    args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods", "full",
+            "--compile-only", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["compile"]
+    assert row["method"] == "full" and row["capacity"] >= 16 + 24 and row["hlo_lines"] > 0
+    assert 0 < row["lower_s"] < row["compile_s"] and row["program_bytes"] > row["temp_bytes"] > 0
+    assert "| full | " in (tmp_path / "results.md").read_text()
+
+
 # ---- the AIME25 workload ----------------------------------------------------------------------------------------
 def test_lognormal_lengths():
     a = wl.lognormal_lengths(4000, median=1000, sigma=0.5, cap=3000, seed=1)
