@@ -66,3 +66,17 @@ def test_compare_methods_bad_input_exits_2(capsys):
     assert "--config 'nope'; allowed: tiny, tiny-1k, small" in capsys.readouterr().err
     assert cm.main(["--methods", "triattention"]) == 2
     assert "needs calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bench", "device_check"])
+def test_the_measurement_scripts_run_the_benchmarks_entry_points(name):
+    """`python scripts/bench.py` and `scripts/device_check.py` (the commands the developers' guide names) run
+    `python -m benchmarks.<name>` from any working directory: a bad flag gets that module's error."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "scripts", f"{name}.py"), "--no-such-flag"],
+                         capture_output=True, text=True, cwd="/", timeout=120)
+    assert res.returncode == 2 and "--no-such-flag" in res.stderr, res.stderr[-2000:]
