@@ -53,7 +53,7 @@ FILE_KINDS = {
     "program": ("test_model", "test_generate", "test_batching", "test_tiers", "test_sharding", "test_layers",
                 "test_lowering", "test_weight_copies", "test_invariance", "test_kernels_generate", "test_replay",
                 "test_triattention", "test_eviction_framework", "test_jit", "test_weights", "test_kv_error",
-                "test_planner", "test_policies", "test_varchain"),
+                "test_planner", "test_policies", "test_varchain", "test_chunked_prefill"),
     "script": ("test_eval", "test_bench", "test_bench_kernels", "test_device_check", "test_demo_scripts",
                "test_distributed"),
     "aot": ("test_aot", "test_aot_kernels"),

@@ -153,3 +153,26 @@ def test_plan_script_plans_with_the_targets_compiler(target, capsys):
     per_device = out["per_device_bytes"]
     assert out["target"] == target and out["compiled_bytes"]["temporaries"] >= per_device["cache"] > 0
     assert sum(v for k, v in per_device.items() if k != "total") == per_device["total"]
+
+
+def test_h200_long_prompt_prefills_in_memory_that_grows_with_the_prompt_not_its_square():
+    """A prompt past `GenerateConfig.prefill_chunk` prefills in chunks (one block of chunk x chunk scores per row
+    and head): at batch 4, the temporaries beyond the cache barely grow from a 2048- to an 8192-token prompt, stay
+    far below the dense attention's float32 scores at 8192 (batch x heads x 8192², 32 GiB), and the program still
+    copies neither the cache nor a weight."""
+    reason = aot.missing("h200")
+    if reason:
+        pytest.skip(reason)
+    eviction = METHODS["vase_attnv"]
+    beyond = {}
+    for prompt in (2048, 8192):
+        _, report = aot.compile_generate("h200", CFG, batch=4, eviction=eviction, prompt_len=prompt,
+                                         max_new_tokens=256)
+        assert report.cache_copies == (), "\n".join(report.cache_copies[:5])
+        assert report.weight_slices == (), "\n".join(report.weight_slices[:5])
+        beyond[prompt] = report.temporaries - report.cache
+        print(f"h200 prompt {prompt}: temporaries beyond the cache {beyond[prompt] / 2**30:.3f} GiB, cache "
+              f"{report.cache / 2**30:.3f} GiB")
+    dense_scores = 4 * CFG.num_heads * 8192**2 * 4
+    assert beyond[8192] <= 1.5 * beyond[2048]
+    assert beyond[8192] <= dense_scores / 20

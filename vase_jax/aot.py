@@ -115,11 +115,12 @@ class ProgramReport:
 
 def compile_generate(name: str, cfg: Qwen3Config, *, batch: int, eviction: EvictionConfig, prompt_len: int = 256,
                      max_new_tokens: int = 4096, dtype=jnp.bfloat16, layer_loop: str = "auto",
-                     attention_impl: str = "auto", kv_bits: str = "bf16",
-                     kv_protected: int | None = None) -> tuple[jax.stages.Compiled, ProgramReport]:
+                     attention_impl: str = "auto", kv_bits: str = "bf16", kv_protected: int | None = None,
+                     prefill_chunk: int | None = GenerateConfig.prefill_chunk,
+                     ) -> tuple[jax.stages.Compiled, ProgramReport]:
     """`generate` for `cfg` compiled by target `name`'s own compiler on one of its devices (`TARGETS`), with
-    abstract arguments; `kv_bits` (a `KVBits` name) and `kv_protected`: a mixed-precision cache. Returns the
-    compiled program and its `ProgramReport`."""
+    abstract arguments; `kv_bits` (a `KVBits` name) and `kv_protected`: a mixed-precision cache;
+    `prefill_chunk`: `GenerateConfig.prefill_chunk`. Returns the compiled program and its `ProgramReport`."""
     reason = missing(name)
     if reason:
         raise RuntimeError(reason)
@@ -129,7 +130,7 @@ def compile_generate(name: str, cfg: Qwen3Config, *, batch: int, eviction: Evict
     kv = KVBits.parse(kv_bits)
     config = GenerateConfig(max_new_tokens=max_new_tokens, layer_loop=layer_loop, attention_impl=attention_impl,
                             platform=TARGETS[name].platform, key_bits=kv.key_bits, value_bits=kv.value_bits,
-                            kv_group=kv.key_group, kv_protected=kv_protected)
+                            kv_group=kv.key_group, kv_protected=kv_protected, prefill_chunk=prefill_chunk)
     model = abstract_model(cfg, dtype, replicated)
     target = generate_target(model, config)
     t = config.bucket(prompt_len)
@@ -217,7 +218,8 @@ def copying_reads(hlo: str, operand_dims: set[tuple[int, ...]],
 
 def copies_of(hlo: str, array_dims: set[tuple[int, ...]]) -> list[str]:
     """Instructions whose result has one of `array_dims` and that copy or convert it (copy, convert, or a fusion
-    named for a copy or convert): a second buffer of that array."""
-    return [f"{c}: {line[:200]}" for c, name, d, opcode, _, line in _instructions(hlo)
-            if d in array_dims and (opcode in ("copy", "convert") or (opcode == "fusion" and (
-                "copy" in name or "convert" in name)))]
+    named for a copy or convert): a second buffer of that array. A copy of a broadcast is not one: it fills the
+    array's own buffer with a constant (the empty cache a chunked prefill then writes into)."""
+    return [f"{c}: {line[:200]}" for c, name, d, opcode, operands, line in _instructions(hlo)
+            if d in array_dims and not operands.lstrip("%").startswith("broadcast") and (
+                opcode in ("copy", "convert") or (opcode == "fusion" and ("copy" in name or "convert" in name)))]

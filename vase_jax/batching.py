@@ -51,7 +51,7 @@ from vase_jax.generate import (
     first_tokens,
     generate_target,
     no_events,
-    prefill,
+    prefill_prompts,
     query_window,
     row_rule,
     split_keys,
@@ -166,9 +166,9 @@ def stage_prompts(graphdef, params, input_ids, attention_mask, keys, row_ids, ca
                   target: Target) -> Staged:
     """Prefill `queue` left-padded prompts [queue, bucket] into a cache of layout `slots`, and sample token 0."""
     model = nnx.merge(graphdef, params)
-    sample_key, _ = split_keys(keys, keys.shape[0])
-    logits, cache = prefill(model, input_ids, attention_mask, slots, query_window(eviction), config.attention_impl,
-                            framework.slot_state(eviction), target=target)
+    sample_key, evict_key = split_keys(keys, keys.shape[0])
+    logits, cache = prefill_prompts(model, input_ids, attention_mask, slots, config, eviction, evict_key, row_ids,
+                                    target)
     first = first_tokens(logits, sample_key, row_ids, config, target)
     return Staged(cache=cache, first=first, cap=caps, key=keys, row_ids=row_ids, sample=sample, count=count)
 
@@ -319,7 +319,8 @@ def run(
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
     capacity = cache_layout(model.cfg, config, eviction, slots)
-    slots = capacity.for_prompts(slots)  # the staged prompts' cache
+    # the staged prompts' cache (compressed prompts: the batch's N + B slots)
+    slots = capacity if eviction.compress_prompt else capacity.for_prompts(slots)
     graphdef, params = nnx.split(model)
     e = init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
                     target)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from vase_jax.attention import decode_attention
+from vase_jax.attention import chunk_attention, decode_attention
 from vase_jax.config import Qwen3Config
 from vase_jax.target import Target
 
@@ -165,6 +165,32 @@ class KVCache:
         new = write_prompt(self, layer, k, v, q, token_mask)
         return new if slot_weights is None else prefill_state(new, layer, slot_weights, token_mask)
 
+    def attend_chunk(self, layer, k: jax.Array, v: jax.Array, q: jax.Array, start) -> tuple[jax.Array, KVCache]:
+        """One layer of a chunk of a prompt (the chunked prefill, after `start_prompt`): the chunk's keys and values
+        to slots [start, start + C) (`write_chunk`), then its queries attend over slots [0, start + C) causally
+        (`chunk_attention`). The prompt is unpadded: a token's slot is its position. A per-slot state adds the
+        chunk's attention weights (the sums `finish_prompt` turns into the state).
+        k, v [batch, kv_heads, C, head_dim], q [batch, kv_heads, group, C, head_dim] -> (out like q, cache)."""
+        cache = write_chunk(self, layer, k, v, q, start)
+        query_valid = start + jnp.arange(k.shape[2])[None] < cache.prompt_length[:, None]  # [batch, C]
+
+        def read_block(first, size):  # slots [first, first + size) of the layer, read from the stacks in place
+            def part(x):
+                return jax.lax.dynamic_slice_in_dim(layer_of(x, layer), first, size, axis=2)
+            return from_bits(part(cache.k), cache.float_dtype), from_bits(part(cache.v), cache.float_dtype), \
+                part(cache.pos)
+
+        out, sums = chunk_attention(q, read_block, cache.capacity, start, query_valid, column_sums=bool(cache.state))
+        if sums is not None:
+            cache = cache.replace(state={name: x.at[layer].add(sums) for name, x in cache.state.items()})
+        return out, cache
+
+    def finish_prompt(self) -> KVCache:
+        """After the last chunk: state <- update(0, the prompt's summed attention weights), as `prefill_state`."""
+        return self.replace(state={spec.name: spec.update(jnp.zeros_like(self.state[spec.name]),
+                                                          self.state[spec.name]).astype(jnp.float32)
+                                   for spec in self.state_specs})
+
     def start_token(self) -> KVCache:
         """Before the layers write one token per active row: its position and the counters (`start_token`)."""
         return start_token(self)
@@ -255,6 +281,13 @@ class KVCache:
         return self.replace(length=jnp.where(rows, budget, self.length), seen=jnp.where(rows, budget, self.seen),
                             evictions=self.evictions + rows.astype(jnp.int32))
 
+    def first_slots(self, slots: int) -> KVCache:
+        """The cache of its first `slots` slots per (layer, row, kv head) (after a prompt compression: N + B)."""
+        if slots >= self.capacity:
+            return self
+        return self.replace(k=self.k[:, :, :, :slots], v=self.v[:, :, :, :slots], pos=self.pos[..., :slots],
+                            state={name: x[..., :slots] for name, x in self.state.items()})
+
     def take_row(self, j, like: KVCache) -> KVCache:
         """Row `j` (traced) as a batch-1 cache with the slots of `like` (the continuous engine's staged prompt
         moving into its batch: the slots past this cache's empty, as `init_cache` makes them)."""
@@ -319,6 +352,14 @@ class CacheLayout:
              target: Target | None = None) -> KVCache:
         """An empty cache of this layout (`init_cache`)."""
         return init_cache(cfg, batch, self.slots, window, dtype, state, target)
+
+    def chunk_staging(self, prompt_slots: int) -> CacheLayout:
+        """The layout a chunked prefill writes the prompt into (`generate.chunked_prefill`): this one."""
+        return self
+
+    def from_chunks(self, staged: KVCache, token_mask: jax.Array, cfg: Qwen3Config) -> KVCache:
+        """The cache after a chunked prefill into `chunk_staging`'s cache: `staged` itself, its state finished."""
+        return staged.finish_prompt()
 
 
 def as_layout(capacity: int | CacheLayout | Any) -> Any:
@@ -448,6 +489,29 @@ def write_query_ring(cache: KVCache, layer, q: jax.Array, token_mask: jax.Array)
     ring = jnp.where((t_r >= 0)[:, None, None, :, None], ring, 0)
     return cache.replace(queries=jax.lax.dynamic_update_slice(cache.queries, stored(ring[None], cache),
                                                               (layer, 0, 0, 0, 0, 0)))
+
+
+def write_chunk(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, start) -> KVCache:
+    """Write one layer of a chunk of an unpadded prompt: k, v [batch, kv_heads, C, head_dim] to slots [start,
+    start + C) (slots past the capacity dropped; a row's slots past its prompt keep pos -1 and are never read),
+    and the queries q [batch, kv_heads, group, C, head_dim] of the row's newest `window` prompt tokens that fall
+    in the chunk to the ring (as `write_query_ring` puts them)."""
+    c = k.shape[2]
+    slots = start + jnp.arange(c)
+
+    def put(x, block):  # x [layers, batch, kv_heads, capacity, d] <- block [batch, kv_heads, C, d] at `slots`
+        return x.at[layer, :, :, slots].set(jnp.moveaxis(stored(block, cache), 2, 0), mode="drop")
+
+    cache = cache.replace(k=put(cache.k, k), v=put(cache.v, v))
+    if not cache.window:
+        return cache
+    t_r = ring_times(cache.prompt_length, cache.window)  # [batch, window] the ring's real-token times
+    column = t_r - start  # their columns in the chunk
+    hit = (t_r >= 0) & (column >= 0) & (column < c)
+    ring = jnp.take_along_axis(q, jnp.clip(column, 0, c - 1)[:, None, None, :, None], axis=3)  # [b, h, g, W, d]
+    old = layer_of(cache.queries, layer)
+    ring = jnp.where(hit[:, None, None, :, None], stored(ring, cache), old)
+    return cache.replace(queries=jax.lax.dynamic_update_index_in_dim(cache.queries, ring, layer, axis=0))
 
 
 def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:

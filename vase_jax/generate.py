@@ -29,7 +29,8 @@ from flax import nnx, struct
 
 from pallas_kernels.decode_tuning import fixed_splits
 from pallas_kernels.dispatch import IMPLS as ATTENTION_IMPLS
-from vase_jax.cache import CacheLayout, KVCache, as_layout, first_rows
+from vase_jax import limits
+from vase_jax.cache import CacheLayout, KVCache, as_layout, first_rows, left_padding, pad_axis, unpad
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.registry import METHODS
@@ -60,6 +61,11 @@ class GenerateConfig:
     eos_token_ids: tuple[int, ...] = QWEN3_END_TOKENS
     pad_token_id: int | None = None  # written after a row's end token; None -> eos_token_ids[0] (or 0)
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS  # prompts are left-padded to the next bucket (beyond: x8192)
+    # The prefill of a prompt bucket longer than this runs in chunks of this many tokens through every layer, each
+    # chunk's queries attending over the cache one block of this many slots at a time (`Qwen3.prefill_chunk`): its
+    # temporaries grow with the prompt, not with its square. A bucket of at most this many tokens runs densely.
+    # None: always densely. It does not depend on the batch, so a row's tokens do not either.
+    prefill_chunk: int | None = 256
     return_cache: bool = False  # also return the final KV cache (GenerateOutput.cache), e.g. to inspect it
     # A row's tokens do not depend on its batch: a batch of fewer rows (per device) than this machine's kernels
     # need to take the path of larger batches runs beside copies of its first row (`vase_jax.invariance`, probed
@@ -137,6 +143,10 @@ class GenerateConfig:
             raise ValueError(f"GenerateConfig.batch_invariant={self.batch_invariant!r} must be a bool")
         if not isinstance(self.kv_refine, bool):
             raise ValueError(f"GenerateConfig.kv_refine={self.kv_refine!r} must be a bool")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or
+                                               isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 16):
+            raise ValueError(f"GenerateConfig.prefill_chunk={self.prefill_chunk!r}; allowed: None (dense prefill) or "
+                             "an int >= 16 (prompt tokens per chunk)")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
         return self
@@ -157,7 +167,8 @@ NO_EVICTION = EvictionConfig("full")
 class GenerateOutput:
     """What `generate` returns. Device memory while it runs: the weights, the cache (`max(P, N) + B` slots per layer,
     row and kv head with eviction, `P + max_new_tokens` without; P the prompt bucket), and the program's
-    temporaries beyond the cache: the prefill's activations (float32 MLP intermediates of batch x prompt tokens),
+    temporaries beyond the cache: the prefill's activations (float32 MLP intermediates of batch x prompt tokens, or
+    of batch x `prefill_chunk` tokens for a longer prompt, with one block of chunk x chunk scores per row and head),
     one layer's eviction scores (layers are evicted one at a time), the logits and sampling arrays. No weight and
     no part of the cache is copied (docs/DESIGN.md, "Memory to expect")."""
 
@@ -346,6 +357,12 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=prompt_pad_id(config, model.cfg))
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
     layout = cache_layout(model.cfg, config, eviction, t)
+    weights = model.embedding[...]
+    device = None if isinstance(weights, jax.core.Tracer) else next(iter(weights.devices()))
+    filled = jax.eval_shape(lambda: prompt_layout(layout, eviction, config, t).init(
+        model.cfg, b, query_window(eviction), model.dtype, framework.slot_state(eviction), target))
+    limits.check_fits(model.cfg, model.dtype, b, t, t_in, filled, config.prefill_chunk,
+                      1 if mesh is None else mesh.size, device)
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
@@ -389,6 +406,10 @@ def cache_layout(cfg, config: GenerateConfig, eviction: EvictionConfig,
     `framework.capacity_for` slots, or with `config.kv_bits` below 16 a mixed-precision cache's tiers
     (validated; ValueError naming the parameter)."""
     if config.kv_bits.quantizes:
+        if eviction.compress_prompt:
+            raise ValueError(f"EvictionConfig.compress_prompt=True runs on the 16-bit cache; GenerateConfig "
+                             f"key_bits={config.key_bits}, value_bits={config.value_bits} asks for a mixed-precision "
+                             "one: drop one of the two")
         return generate_tiers(cfg, config, eviction, prompt_slots)
     return CacheLayout(framework.capacity_for(eviction, prompt_slots, config.max_new_tokens))
 
@@ -508,8 +529,8 @@ def _generate_body(graphdef, state, input_ids, attention_mask, key, row_ids, cap
     sample_key, evict_key = split_keys(key, b)
 
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, layout, query_window(eviction),
-                                config.attention_impl, framework.slot_state(eviction), mesh, target)
+        logits, cache = prefill_prompts(model, input_ids, attention_mask, layout, config, eviction, evict_key, row_ids,
+                                        target, mesh)
         first = first_tokens(logits, sample_key, row_ids, config, target, mesh)
 
     # The batch's ticks: row 0 starts at once, every other row waits for its trigger phase.
@@ -547,20 +568,85 @@ def query_window(eviction: EvictionConfig) -> int:
 
 def prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array,
             capacity: int | CacheLayout | TierLayout, window: int, attention_impl: str = "auto", state: tuple = (),
-            mesh: jax.sharding.Mesh | None = None, target: Target | None = None):
+            mesh: jax.sharding.Mesh | None = None, target: Target | None = None, chunk: int | None = None):
     """The prompt forward pass and the cache it fills: (last-position logits [batch, vocab] f32, KVCache).
 
     `capacity`: a slot count, or a cache layout (`cache_layout`); `window` > 0 keeps a ring of that many post-RoPE
     queries (see `query_window`); `state`: the policy's per-slot state arrays (`framework.slot_state`); `mesh`:
     create the cache sharded over it (`vase_jax.sharding.cache_specs`); `target`: the program's platform and layer
-    loop (default: as `Qwen3.forward` picks it), which also decides the cache's storage.
+    loop (default: as `Qwen3.forward` picks it), which also decides the cache's storage. `chunk`
+    (`GenerateConfig.prefill_chunk`): a prompt of more columns than this runs in chunks (`chunked_prefill`).
     """
     target = Target.of(model.embedding[...]) if target is None else target
-    cache = as_layout(capacity).init(model.cfg, input_ids.shape[0], window, model.dtype, state, target)
-    logits, cache = model.forward(input_ids, prompt_positions(attention_mask), constrain_cache(cache, mesh),
-                                  attention_mask=attention_mask, attention_impl=attention_impl, target=target,
-                                  last_logits_only=True)
+    layout = as_layout(capacity)
+    if chunk is not None and input_ids.shape[1] > chunk:
+        staged = layout.chunk_staging(input_ids.shape[1]).init(model.cfg, input_ids.shape[0], window, model.dtype,
+                                                               state, target)
+        logits, staged = chunked_prefill(model, input_ids, attention_mask, constrain_cache(staged, mesh), chunk,
+                                         attention_impl, target)
+        cache = layout.from_chunks(staged, attention_mask.astype(bool), model.cfg)
+    else:
+        cache = constrain_cache(layout.init(model.cfg, input_ids.shape[0], window, model.dtype, state, target),
+                                mesh)
+        logits, cache = model.forward(input_ids, prompt_positions(attention_mask), cache,
+                                      attention_mask=attention_mask, attention_impl=attention_impl, target=target,
+                                      last_logits_only=True)
     return logits[:, -1], constrain_cache(cache, mesh)
+
+
+def prefill_prompts(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array,
+                    layout: CacheLayout | TierLayout, config: GenerateConfig, eviction: EvictionConfig,
+                    evict_key: jax.Array, row_ids: jax.Array, target: Target, mesh=None):
+    """`prefill` as `generate` runs it (the eviction's query window and state, `config`'s kernels and chunks) into
+    a cache of `layout`. With `eviction.compress_prompt` the prompt goes to a cache that holds it (max(P, N) + B
+    slots), then `framework.compress_prompt` evicts each row longer than N (its `evict_key`) and keeps `layout`'s
+    N + B slots."""
+    logits, cache = prefill(model, input_ids, attention_mask, prompt_layout(layout, eviction, config,
+                                                                            input_ids.shape[1]),
+                            query_window(eviction), config.attention_impl, framework.slot_state(eviction), mesh,
+                            target, config.prefill_chunk)
+    if eviction.compress_prompt:
+        cache = constrain_cache(framework.compress_prompt(cache, eviction, evict_key, row_ids, config.attention_impl,
+                                                          layout.slots), mesh)
+    return logits, cache
+
+
+def prompt_layout(layout: CacheLayout | TierLayout, eviction: EvictionConfig, config: GenerateConfig,
+                  prompt_slots: int) -> CacheLayout | TierLayout:
+    """The layout the prefill fills: `layout`, or with prompt compression one that holds the whole prompt
+    (max(P, N) + B slots), compressed to `layout` after the prefill."""
+    if not eviction.compress_prompt:
+        return layout
+    return CacheLayout(framework.capacity_for(dataclasses.replace(eviction, compress_prompt=False), prompt_slots,
+                                              config.max_new_tokens))
+
+
+def chunked_prefill(model: Qwen3, input_ids: jax.Array, attention_mask: jax.Array, cache: KVCache, chunk: int,
+                    attention_impl: str, target: Target) -> tuple[jax.Array, KVCache]:
+    """The prefill in chunks of `chunk` tokens: the prompts unpadded (row b's tokens at columns [0, P_b), its
+    padding after them, to a multiple of `chunk`), then a loop over the chunks, each through every layer
+    (`Qwen3.prefill_chunk`), keeping each row's last real token's output. Memory: one chunk's activations and one
+    block of chunk x chunk scores per (row, head), beside the cache. -> (logits [batch, 1, vocab] f32, cache; its
+    per-slot state holds the prompt's summed attention weights: the layout's `from_chunks` finishes it)."""
+    b, t = input_ids.shape
+    chunks = -(-t // chunk)
+    pad = left_padding(attention_mask)  # [batch]
+    tokens = pad_axis(unpad(input_ids, pad, 1), 1, chunks * chunk, 0)  # [batch, chunks * chunk]
+    last = t - pad - 1  # [batch] the column of each row's last real token
+
+    def one_chunk(c, carry):
+        cache, out = carry
+        start = c * chunk
+        x, cache = model.prefill_chunk(jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1), start, cache,
+                                       attention_impl=attention_impl, target=target)  # x [batch, chunk, embed]
+        column = last - start
+        mine = jnp.take_along_axis(x, jnp.clip(column, 0, chunk - 1)[:, None, None], axis=1)  # [batch, 1, embed]
+        return cache, jnp.where(((column >= 0) & (column < chunk))[:, None, None], mine, out)
+
+    cache = cache.start_prompt(attention_mask.astype(bool))
+    out = jnp.zeros((b, 1, model.cfg.hidden_size), model.dtype)
+    cache, out = jax.lax.fori_loop(0, chunks, one_chunk, (cache, out))
+    return model.logits(out, target), cache
 
 
 def decode_step(model: Qwen3, cache: KVCache, token: jax.Array, attention_impl: str = "auto",

@@ -175,11 +175,13 @@ def project(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: 
 
 
 def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array, mask: jax.Array | None,
-              cache: KVCache | None, layer, attention_impl: str, target: Target | None = None):
+              cache: KVCache | None, layer, attention_impl: str, target: Target | None = None, chunk_start=None):
     """Self-attention of one layer: x [batch, seq, embed] -> (x + attention output, cache).
 
     Without a cache, or with a multi-token input (which fills an empty cache), the queries attend densely to the
-    input's own keys under `mask` [batch, seq, seq]. A one-token input is written at each active row's next slot
+    input's own keys under `mask` [batch, seq, seq]. With `chunk_start` (the chunked prefill), the input is a
+    chunk of unpadded prompts at slots [chunk_start, chunk_start + seq), written then attended through the cache
+    (`attend_chunk`). A one-token input is written at each active row's next slot
     (`start_token` counted it) and attends over the row's live slots; `layer` indexes the stacked cache. The cache
     does both through its interface (`KVCache` or `tiers.TieredCache`: the same methods).
 
@@ -189,7 +191,9 @@ def attention(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions
     """
     q, k, v = project(cfg, w, rms_norm(x, w["input_norm"], cfg.rms_norm_eps), positions, target)
     b, t = x.shape[:2]
-    if cache is not None and t == 1:
+    if chunk_start is not None:
+        out, cache = cache.attend_chunk(layer, k, v, q, chunk_start)  # [batch, kv_heads, group, seq, head_dim]
+    elif cache is not None and t == 1:
         out, cache = cache.attend_token(layer, k, v, q, attention_impl)  # [batch, kv_heads, group, 1, head_dim]
     elif cache is not None and cache.state_specs:
         out, probs = dense_attention(q, k, v, mask, return_probs=True)  # probs [b, kv_heads, group, seq, seq]
@@ -217,11 +221,12 @@ def mlp(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, target: Target 
 
 def decoder_layer(cfg: Qwen3Config, w: dict[str, jax.Array], x: jax.Array, positions: jax.Array,
                   mask: jax.Array | None, cache: KVCache | None, layer, attention_impl: str = "auto",
-                  target: Target | None = None):
+                  target: Target | None = None, chunk_start=None):
     """One decoder layer with weights `w` (`DecoderLayer.weights`, or the switched loop's view of every layer's):
-    (x, cache) -> (x, cache). `layer` indexes the stacked cache (an int, or traced in the switched loop)."""
+    (x, cache) -> (x, cache). `layer` indexes the stacked cache (an int, or traced in the switched loop);
+    `chunk_start`: see `attention`."""
     with jax.named_scope("attention"):
-        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl, target)
+        x, cache = attention(cfg, w, x, positions, mask, cache, layer, attention_impl, target, chunk_start)
     with jax.named_scope("mlp"):
         x = mlp(cfg, w, x, target)
     return x, cache
@@ -366,6 +371,23 @@ class Qwen3(nnx.Module):
             cache = cache.start_token() if decoding else cache.start_prompt(mask[:, -1, :])
         x, cache = run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
         return self.logits(x[:, -1:] if last_logits_only else x, target), cache
+
+    def prefill_chunk(self, tokens: jax.Array, start: jax.Array, cache: KVCache, *, attention_impl: str = "auto",
+                      target: Target | None = None) -> tuple[jax.Array, KVCache]:
+        """One chunk of the chunked prefill (`vase_jax.generate.prefill`): tokens [batch, C] of unpadded prompts at
+        positions, and slots, [start, start + C), through every layer into `cache` (after `cache.start_prompt`;
+        `KVCache.attend_chunk`) -> (the last layer's output [batch, C, embed], cache). `logits` of a row of it are
+        that token's logits."""
+        target = Target.of(self.embedding[...]) if target is None else target
+        b, c = tokens.shape
+        positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))  # [batch, C]
+        cfg = self.cfg
+
+        def body(carry, w, i):
+            x, cache = carry
+            return decoder_layer(cfg, w, x, positions, None, cache, i, attention_impl, target, start)
+
+        return run_layers(body, (self.embed(tokens, target), cache), self.layer_weights(), target.layer_loop)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Plain forward pass (no cache) over left-padded prompts: float32 logits [batch, seq, vocab]."""

@@ -27,7 +27,7 @@ from flax import nnx, struct
 
 from pallas_kernels.decode_tuning import fixed_splits
 from pallas_kernels.dispatch import pairwise_sum
-from vase_jax.cache import KVCache, first_rows
+from vase_jax.cache import CacheLayout, KVCache, first_rows
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.generate import (
@@ -36,8 +36,8 @@ from vase_jax.generate import (
     generate_target,
     pad_rows,
     prefill,
+    prefill_prompts,
     prompt_pad_id,
-    query_window,
     row_rule,
     split_keys,
 )
@@ -156,9 +156,10 @@ def _replay_body(graphdef, state, input_ids, attention_mask, reference, lengths,
     impl = config.attention_impl
     _, evict_key = split_keys(key, b)
     with jax.named_scope("prefill"):
-        logits, cache = prefill(model, input_ids, attention_mask, capacity, query_window(eviction), impl,
-                                framework.slot_state(eviction), None, target)
-        full_logits, full = prefill(model, input_ids, attention_mask, full_capacity, 0, impl, (), None, target)
+        logits, cache = prefill_prompts(model, input_ids, attention_mask, CacheLayout(capacity), config, eviction,
+                                        evict_key, row_ids, target)
+        full_logits, full = prefill(model, input_ids, attention_mask, full_capacity, 0, impl, (), None, target,
+                                    config.prefill_chunk)
     first = _distribution_stats(logits, full_logits, reference[:, 0])
     stats = {name: jnp.zeros((b, width), jnp.float32).at[:, 0].set(v) for name, v in first.items()}
     start = framework.phase_wait(cache.seen - cache.seen[0], jnp.int32(0), eviction)  # as `generate`

@@ -50,6 +50,7 @@ from pallas_kernels import get_decode_partials, get_layout_pin, get_quant_decode
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_SIZE
 from vase_jax.cache import (
     CACHE_AXES,
+    CacheLayout,
     KVCache,
     SlotView,
     apply_state,
@@ -115,6 +116,34 @@ class TierLayout:
              target: Target | None = None) -> TieredCache:
         """An empty cache of this layout (`init_tiered_cache`)."""
         return init_tiered_cache(cfg, batch, self, window, dtype, state, target)
+
+    def chunk_staging(self, prompt_slots: int) -> CacheLayout:
+        """The layout a chunked prefill writes the prompt into: a 16-bit cache of the prompt's slots (the chunks
+        attend to the prompt's keys in 16 bits, as the dense prefill does; `from_chunks` then tiers them)."""
+        return CacheLayout(prompt_slots)
+
+    def from_chunks(self, staged: KVCache, token_mask: jax.Array, cfg: Qwen3Config) -> TieredCache:
+        """The tiered cache of a prompt prefilled in chunks into the 16-bit `staged` (unpadded; its state the
+        prompt's summed attention weights): each layer tiered as `write_prompt` tiers a dense prefill's keys and
+        values, the query ring copied."""
+        cache = self.init(cfg, token_mask.shape[0], staged.window, staged.float_dtype, staged.state_specs,
+                          staged.target).start_prompt(token_mask)
+        seq = token_mask.shape[1]
+        pad = left_padding(token_mask)  # [batch]
+        column = jnp.clip(jnp.arange(seq)[None] - pad[:, None], 0, seq - 1)  # [batch, seq]
+
+        def left_padded(x):  # [batch, kv_heads, slots, ...] unpadded -> [batch, kv_heads, seq, ...] left-padded
+            index = column.reshape(column.shape[:1] + (1,) + column.shape[1:] + (1,) * (x.ndim - 3))
+            return jnp.take_along_axis(x[:, :, :seq], index, axis=2)
+
+        def one_layer(layer, cache):
+            sums = next(iter(staged.state.values()), None)  # every state array holds the same sums
+            weights = None if sums is None else left_padded(layer_of(sums, layer))
+            return tier_prompt(cache, layer, left_padded(staged.layer_keys(layer)),
+                               left_padded(staged.layer_values(layer)), token_mask, weights)
+
+        cache = jax.lax.fori_loop(0, cfg.num_layers, one_layer, cache)
+        return cache.replace(queries=staged.queries)
 
 
 def protects_range(eviction: EvictionConfig) -> bool:
@@ -205,6 +234,14 @@ class TieredCache(KVCache):
     def write_prompt(self, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array,
                      slot_weights: jax.Array | None = None) -> TieredCache:
         return write_prompt(self, layer, k, v, q, token_mask, slot_weights)
+
+    def first_slots(self, slots: int):
+        raise NotImplementedError("prompt compression keeps a 16-bit cache (EvictionConfig.compress_prompt with a "
+                                  "mixed-precision cache is refused by generate)")
+
+    def attend_chunk(self, layer, k, v, q, start):
+        raise NotImplementedError("a mixed-precision cache is prefilled in chunks through a 16-bit cache "
+                                  "(TierLayout.chunk_staging, from_chunks)")
 
     def attend_token(self, layer, k: jax.Array, v: jax.Array, q: jax.Array,
                      attention_impl: str = "auto") -> tuple[jax.Array, TieredCache]:
@@ -509,13 +546,21 @@ def start_prompt(cache: KVCache, token_mask: jax.Array) -> KVCache:
 
 def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array, token_mask: jax.Array,
                  slot_weights: jax.Array | None = None) -> KVCache:
-    """Write one layer of a left-padded prompt into an empty mixed-precision cache (after `start_prompt`): row
-    b's real tokens but the newest r = P_b mod B are tiered (the P of largest protection score in 16 bits, the
-    others quantized, in order), the newest r go to the recent slots. `slot_weights` [b, h, seq]: the prompt's
-    attention weights per slot for the per-slot state (`cache.prefill_state`'s sums, padded), or None.
+    """Write one layer of a left-padded prompt into an empty mixed-precision cache (after `start_prompt`): its
+    keys and values tiered (`tier_prompt`), its newest queries to the ring.
 
     k, v: [batch, kv_heads, seq, head_dim]; q: [batch, kv_heads, group, seq, head_dim]; token_mask [batch, seq].
     """
+    return write_query_ring(tier_prompt(cache, layer, k, v, token_mask, slot_weights), layer, q, token_mask)
+
+
+def tier_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, token_mask: jax.Array,
+                slot_weights: jax.Array | None = None) -> KVCache:
+    """One layer of a left-padded prompt's keys and values, k, v [batch, kv_heads, seq, head_dim], into an empty
+    mixed-precision cache: row b's real tokens but the newest r = P_b mod B are tiered (the P of largest
+    protection score in 16 bits, the others quantized, in order), the newest r go to the recent slots.
+    `slot_weights` [b, h, seq]: the prompt's attention weights per slot for the per-slot state
+    (`cache.prefill_state`'s sums, padded), or None."""
     t = cache.layout
     pad = left_padding(token_mask)  # [batch]
     seq = k.shape[2]
@@ -536,8 +581,7 @@ def write_prompt(cache: KVCache, layer, k: jax.Array, v: jax.Array, q: jax.Array
         w = jnp.zeros(pos.shape, jnp.float32) if slot_weights is None else unpad(slot_weights, pad, 2)
         state[spec.name] = jnp.where(pos >= 0, spec.update(jnp.zeros(w.shape, jnp.float32), w), 0.0)
     src = Sources(k_u, v_u, pos, rng, state, None)
-    new = _write_layer(cache, layer, src, src16, srcq, srcq >= 0, None)
-    return write_query_ring(new, layer, q, token_mask)
+    return _write_layer(cache, layer, src, src16, srcq, srcq >= 0, None)
 
 
 # ---- decode steps ------------------------------------------------------------------------------------------

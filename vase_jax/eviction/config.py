@@ -66,14 +66,18 @@ class EvictionConfig:
     value_slots: int | None = None  # None -> budget // 4 (the paper's Nv = N / 4)
     sink_slots: int = 4
     sort_kept_by_position: bool = False
+    # Prompt compression: a prompt longer than N is evicted to N slots right after the prefill, with the method's
+    # own scores (the attention-scored ones over the query ring of the prompt's last queries: SnapKV's window), so
+    # the cache holds N + B slots whatever the prompt. Off by default: the paper keeps the prompt (max(P, N) + B).
+    compress_prompt: bool = False
     options: Any = None  # the policy's options dataclass; None for "full"
 
     def __init__(self, method: str = NO_EVICTION, budget: int = 4096, buffer: int = 64,
                  value_slots: int | None = None, sink_slots: int = 4, sort_kept_by_position: bool = False,
-                 options: Any = None, **option_values: Any):
+                 compress_prompt: bool = False, options: Any = None, **option_values: Any):
         for name, value in (("method", method), ("budget", budget), ("buffer", buffer),
                             ("value_slots", value_slots), ("sink_slots", sink_slots),
-                            ("sort_kept_by_position", sort_kept_by_position)):
+                            ("sort_kept_by_position", sort_kept_by_position), ("compress_prompt", compress_prompt)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "options", _policy_options(method, options, option_values))
 
@@ -128,7 +132,12 @@ class EvictionConfig:
 
     def validate(self) -> EvictionConfig:
         """Raise `ValueError` naming the parameter if this configuration cannot run. Returns self."""
+        if not isinstance(self.compress_prompt, bool):
+            raise ValueError(f"EvictionConfig.compress_prompt={self.compress_prompt!r} must be a bool")
         if not self.evicts:
+            if self.compress_prompt:
+                raise ValueError("EvictionConfig.compress_prompt=True needs an evicting method; 'full' keeps every "
+                                 "token")
             return self
         if self.method not in METHODS:
             raise ValueError(f"EvictionConfig.method={self.method!r} is not a known method; known: "

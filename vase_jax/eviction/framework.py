@@ -48,16 +48,29 @@ def capacity_for(eviction: EvictionConfig, prompt_slots: int, max_new_tokens: in
 
     `full`: prompt_slots + max_new_tokens. Eviction: max(prompt_slots, budget) + buffer (the reference's
     `max(P, N) + B`): a row's first trigger comes at most B tokens after max(P, N), and prompts hold no padding
-    slots. Memory does not depend on `max_new_tokens`.
+    slots; with `compress_prompt`, budget + buffer (`compress_prompt` evicts a longer prompt to N). Memory does
+    not depend on `max_new_tokens`.
 
     The rounding keeps the attention's blocks aligned the same way whatever the capacity, so a method that never
     evicts (budget above the total length) computes bit-identically to `full`.
     """
     if not eviction.evicts:
         slots = prompt_slots + max_new_tokens
+    elif eviction.compress_prompt:
+        slots = eviction.budget + eviction.buffer
     else:
         slots = max(prompt_slots, eviction.budget) + eviction.buffer
     return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+def compress_prompt(cache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array, attention_impl: str,
+                    slots: int):
+    """Prompt compression (`EvictionConfig.compress_prompt`), right after the prefill: every row whose prompt
+    holds more than N slots evicts to N as at a decode event (`evict` with these rows: candidates all but the
+    newest R, the policy's own selection, its own keys; the row's `seen` becomes N and its eviction count 1), then
+    the cache keeps its first `slots` (N + B, aligned) slots."""
+    rows = cache.length > eviction.budget  # [batch]
+    return evict_per_device(cache, eviction, key, row_ids, attention_impl, rows).first_slots(slots)
 
 
 def trigger(seen, eviction: EvictionConfig):
@@ -175,27 +188,28 @@ def shared_selection(cache: KVCache, eviction: EvictionConfig, key: jax.Array, l
 
 
 def evict_per_device(cache: KVCache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
-                     attention_impl: str = "auto") -> KVCache:
+                     attention_impl: str = "auto", rows: jax.Array | None = None) -> KVCache:
     """`evict`, run per device inside `shard_map` when a mesh is set for tracing (`generate` under a mesh).
 
     Eviction is per (row, kv head), so each device evicts its own rows and kv heads with no communication (the
     SPMD partitioner would gather the candidates' scores of all rows and heads around `top_k` and scatters). A
     shared key is replicated, per-row keys are split like the rows; random streams are keyed by row id (`row_ids`
     is split like the rows) and global kv-head index (`sharding.local_kv_heads`), so every mesh evicts exactly what
-    one device does. Without a mesh: `evict`.
+    one device does. Without a mesh: `evict`. `rows`: as in `evict`.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.manual_axes:
-        return evict(cache, eviction, key, row_ids, attention_impl)
+        return evict(cache, eviction, key, row_ids, attention_impl, rows)
     specs = cache_specs(cache, mesh)
-    rows = jax.sharding.PartitionSpec("data" if "data" in mesh.axis_names else None)
+    split = jax.sharding.PartitionSpec("data" if "data" in mesh.axis_names else None)
 
-    def local(c, k, r):
-        return evict(c, eviction, k, r, attention_impl)
+    def local(c, k, r, due):
+        return evict(c, eviction, k, r, attention_impl, due)
 
-    key_spec = rows if jnp.ndim(key) == 1 else jax.sharding.PartitionSpec()  # one key per row: split like the rows
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, key_spec, rows), out_specs=specs,
-                         check_vma=False)(cache, key, row_ids)
+    key_spec = split if jnp.ndim(key) == 1 else jax.sharding.PartitionSpec()  # one key per row: split like the rows
+    due_spec = None if rows is None else split
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, key_spec, split, due_spec), out_specs=specs,
+                         check_vma=False)(cache, key, row_ids, rows)
 
 
 def evict(cache, eviction: EvictionConfig, key: jax.Array, row_ids: jax.Array,
