@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--budgets", type=ints, default=None, help="comma list of budgets N (default 512, aime25: 2048)")
     a("--buffer", type=int, default=None, help="buffer B, the eviction period (default 64)")
     a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
+    a("--prefill-chunk", type=int, default=vj.GenerateConfig.prefill_chunk, help="GenerateConfig.prefill_chunk: "
+      "prompt tokens per prefill chunk past that many (default 256); 0: the dense prefill")
     a("--repeats", type=int, default=3, help="timed runs per figure (>= 3)")
     a("--warmup", type=int, default=1, help="untimed runs after compiling, before the timed ones")
     a("--micro-steps", type=int, default=8, help="decode steps per micro-benchmark call")
@@ -174,6 +176,8 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     _at_least(args, 0, "spread_samples", "warmup")
     _at_least(args, 1, "batch", "prompt_len", "micro_steps", "bandwidth_mib", "samples", "queue")
     _at_least(args, 3, "repeats")
+    if args.prefill_chunk and args.prefill_chunk < 16:
+        raise ValueError(f"--prefill-chunk={args.prefill_chunk}: 0 (the dense prefill) or at least 16")
     if min(args.output_lens, default=0) < 2:
         raise ValueError(f"--output-lens={args.output_lens}: each must be >= 2 (a prefill token and a decode step)")
     args.output_lens = sorted(set(args.output_lens))
@@ -274,7 +278,8 @@ class Bench:
 
     def generate_config(self, n: int) -> vj.GenerateConfig:
         return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
-                                 layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl)
+                                 layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl,
+                                 prefill_chunk=self.args.prefill_chunk or None)
 
     def program(self, config: vj.GenerateConfig, ev: EvictionConfig) -> tuple[functools.partial, object, dict]:
         """`generate` compiled as it compiles itself, called on the unpadded prompt: (the call, the compiled
@@ -299,7 +304,8 @@ class Bench:
     def prefill(self, capacity, ev: EvictionConfig) -> functools.partial:
         """A jitted copy of generate's prefill (prompt forward, a cache of `capacity`: slots or a tier layout)."""
         return functools.partial(ds.prefill, self.graphdef, self.state, self.ids, self.mask, capacity,
-                                 query_window(ev), self.args.attention_impl, framework.slot_state(ev), self.target)
+                                 query_window(ev), self.args.attention_impl, framework.slot_state(ev), self.target,
+                                 self.args.prefill_chunk or None)
 
     def step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> Stat:
         """Per-step milliseconds of `decode_steps` from `length` live slots (memoized); `state`: the policy's
@@ -483,6 +489,7 @@ def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionCon
             "dtype": jnp.dtype(model.dtype).name, "param_bytes": ds.param_bytes(model), "batch": args.batch,
             "prompt_len": args.prompt_len, "prompt_bucket": bench.bucket, "repeats": args.repeats,
             "warmup": args.warmup, "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
+            "prefill_chunk": args.prefill_chunk or None,
             "layer_loop": bench.target.layer_loop}
     result = {"meta": meta, "runs": []}
 

@@ -98,14 +98,14 @@ def random_prompt(vocab: int, batch: int, prompt_len: int, config: GenerateConfi
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@functools.partial(target_jit, static_argnums=(0, 4, 5, 6, 7, 8), target_argnum=8)
+@functools.partial(target_jit, static_argnums=(0, 4, 5, 6, 7, 8, 9), target_argnum=8)
 def prefill(graphdef, state, input_ids, attention_mask, capacity, window: int, attention_impl: str,
-            slot_state: tuple, target: Target):
-    """What `generate` does before its loop: the prompt forward pass, the cache of `capacity` (slots, or a
-    mixed-precision `TierLayout`, with the policy's per-slot `slot_state`) and the first (greedy) token. Returns
-    (first token [batch], cache)."""
+            slot_state: tuple, target: Target, chunk: int | None = GenerateConfig.prefill_chunk):
+    """What `generate` does before its loop: the prompt forward pass (in chunks of `chunk` tokens past that many),
+    the cache of `capacity` (slots, or a mixed-precision `TierLayout`, with the policy's per-slot `slot_state`) and
+    the first (greedy) token. Returns (first token [batch], cache)."""
     logits, cache = generate_prefill(nnx.merge(graphdef, state), input_ids, attention_mask, capacity, window,
-                                     attention_impl, slot_state, target=target)
+                                     attention_impl, slot_state, target=target, chunk=chunk)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 

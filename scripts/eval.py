@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "vase_attnv and the range_* methods, 0 with the other evicting methods, a quarter of the cache "
                    "without eviction)")
     p.add_argument("--buffer", type=int, help="eviction buffer / period B (default: the task's, 64; varchain 32)")
+    p.add_argument("--compress-prompt", action="store_true", help="evict a prompt longer than N to N right after "
+                   "the prefill, with the method's own scores: every cache N + B slots (default: the paper's, the "
+                   "prompt kept)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256; a "
+                   "bucket of at most this many tokens runs densely); 0: always the dense prefill")
     p.add_argument("--value-slots", type=int, help="protected value slots Nv (default: N/4 for each budget)")
     p.add_argument("--samples", type=int, help="samples R per problem (default: the task's)")
     p.add_argument("--max-new-tokens", type=int,
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             limit=args.limit, seed=args.seed, dtype=args.dtype, save_text=args.save_text,
             tests_dir=args.tests_dir, scheduler=args.scheduler or "continuous", kv_bits=args.kv_bits,
             kv_protected=args.kv_protected, kv_methods=args.kv_methods, calibration=args.calibration,
+            compress_prompt=args.compress_prompt, prefill_chunk=args.prefill_chunk or None,
         )
         out = Path(args.out) if args.out else _default_out(cfg.task, model)
         if out.exists() and not out.is_dir():

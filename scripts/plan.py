@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(one device), e.g. K8V4")
     p.add_argument("--kv-protected", type=int, help="16-bit slots of a mixed-precision cache kept for their Range "
                    "(default: Nv with vase_attnv, 0 with other evicting methods, a quarter without eviction)")
+    p.add_argument("--compress-prompt", action="store_true", help="EvictionConfig.compress_prompt: a prompt longer "
+                   "than N is evicted to N after the prefill (the cache holds N + B slots whatever the prompt)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="GenerateConfig.prefill_chunk: prompt tokens per "
+                   "prefill chunk (default 256); 0: the dense prefill")
     p.add_argument("--max-new-tokens", type=int, default=32768, help="output tokens per row (default 32768)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--target", default="h200", choices=("h200", "v5p", "cpu"),
@@ -149,16 +153,18 @@ def main(argv=None) -> int:
         target_devices = None if args.target == "cpu" or args.no_compile else aot.TARGETS[args.target].devices(devices)
         mesh = make_mesh(sizes["data"], sizes["model"], target_devices)
         check_mesh(cfg, mesh, args.batch)
-        eviction = (EvictionConfig("full") if args.method == "full" else
-                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
+        eviction = (EvictionConfig("full", compress_prompt=args.compress_prompt) if args.method == "full" else
+                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer,
+                                   compress_prompt=args.compress_prompt))
         plan = plan_memory(cfg, mesh, args.batch, eviction, prompt_len=args.prompt,
                            max_new_tokens=args.max_new_tokens, dtype=getattr(jnp, args.dtype),
                            compile_program=not args.no_compile, config=kv_config(args))
     except ValueError as e:
         fail(str(e))
     out = {"model": args.model, "target": args.target, "mesh": sizes, "batch": args.batch, "method": args.method,
-           "budget": args.budget, "kv_bits": kv_config(args).kv_bits.name,
-           "capacity": plan.capacity, "per_device_bytes": generate_rows(plan)}
+           "budget": args.budget, "kv_bits": kv_config(args).kv_bits.name, "compress_prompt": args.compress_prompt,
+           "prefill_chunk": kv_config(args).prefill_chunk, "capacity": plan.capacity,
+           "per_device_bytes": generate_rows(plan)}
     if plan.temporaries is not None:  # the compiler's own figures, which the rows above split
         out["compiled_bytes"] = {"arguments": plan.arguments, "outputs": plan.outputs, "temporaries": plan.temporaries}
     if args.device_gb:
@@ -224,10 +230,15 @@ def kv_config(args):
         kv = KVBits.parse(args.kv_bits).validate()
     except ValueError as e:
         raise ValueError(f"--kv-bits: {e}") from None
+    chunk = args.prefill_chunk or None
+    try:
+        GenerateConfig(prefill_chunk=chunk).validate()
+    except ValueError as e:
+        raise ValueError(f"--prefill-chunk={args.prefill_chunk}: 0 (dense) or at least 16") from e
     if not kv.quantizes:
-        return GenerateConfig()
+        return GenerateConfig(prefill_chunk=chunk)
     return GenerateConfig(key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
-                          kv_protected=args.kv_protected, kv_refine=kv.refine)
+                          kv_protected=args.kv_protected, kv_refine=kv.refine, prefill_chunk=chunk)
 
 
 def engine_main(args, cfg, compiler: str) -> int:
@@ -239,8 +250,9 @@ def engine_main(args, cfg, compiler: str) -> int:
 
     dtype = getattr(jnp, args.dtype)
     try:
-        eviction = (EvictionConfig("full") if args.method == "full" else
-                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer))
+        eviction = (EvictionConfig("full", compress_prompt=args.compress_prompt) if args.method == "full" else
+                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer,
+                                   compress_prompt=args.compress_prompt))
         config = dataclasses.replace(kv_config(args), max_new_tokens=args.max_new_tokens)
         target = "cpu" if args.no_compile else args.target  # no compile: the buffers' bytes need no compiler
         common = dict(target=target, config=config, prompt_len=args.prompt, dtype=dtype, queue=args.queue)

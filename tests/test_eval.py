@@ -333,6 +333,38 @@ def test_resume_refuses_changed_settings(tmp_path, capsys):
         ev.check_resume(ev.resolve(model="random:tiny", task="gsm8k", limit=2, samples=8)[0], tmp_path)
 
 
+def test_prompt_settings_reach_the_run_and_bind_its_folder(tmp_path):
+    """--compress-prompt and --prefill-chunk reach every evicting method's `EvictionConfig` and the
+    `GenerateConfig`; a folder written before they existed ran the dense prefill with the prompt kept, and resumes
+    only under those settings; bad values are refused before any model loads."""
+    import json as json_
+
+    from vase_jax import evaluation as ev
+
+    cfg, _ = ev.resolve(model="random:tiny", task="gsm8k", limit=1, methods=("full", "vase_dkv"),
+                        compress_prompt=True, prefill_chunk=64)
+    assert cfg.eviction("vase_dkv", 256).compress_prompt and not cfg.eviction("full", None).compress_prompt
+    assert cfg.generate_config(16).prefill_chunk == 64
+    old, _ = ev.resolve(model="random:tiny", task="gsm8k", limit=1, prefill_chunk=None)
+    ev.write_config(old, tmp_path)
+    saved = json_.loads((tmp_path / "config.json").read_text())
+    for name in ("compress_prompt", "prefill_chunk"):
+        saved.pop(name)
+    (tmp_path / "config.json").write_text(json_.dumps(saved))
+    (tmp_path / "records.jsonl").write_text('{"problem_id": "0"}\n')
+    assert ev.check_resume(old, tmp_path) is None
+    with pytest.raises(ValueError, match="prefill_chunk=None, now prefill_chunk=256"):
+        ev.check_resume(ev.resolve(model="random:tiny", task="gsm8k", limit=1)[0], tmp_path)
+    with pytest.raises(ValueError, match="compress_prompt=False, now compress_prompt=True"):
+        ev.check_resume(ev.resolve(model="random:tiny", task="gsm8k", limit=1, prefill_chunk=None,
+                                   compress_prompt=True)[0], tmp_path)
+    with pytest.raises(ValueError, match=r"--prefill-chunk=8; allowed: 0 \(the dense prefill\) or an int >= 16"):
+        ev.resolve(model="random:tiny", task="gsm8k", prefill_chunk=8)
+    with pytest.raises(ValueError, match="--compress-prompt runs on the 16-bit cache"):
+        ev.resolve(model="random:tiny", task="gsm8k", methods=("vase_dkv",), compress_prompt=True,
+                   kv_bits=("K4V4",))
+
+
 # ---- library pieces ----------------------------------------------------------------------------------------
 def test_record_store_repairs_a_cut_last_line(tmp_path):
     from vase_jax.evaluation import RecordStore

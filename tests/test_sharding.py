@@ -191,6 +191,29 @@ def test_mixed_precision_cache_on_a_mesh_matches_one_device():
 
 
 @pytest.mark.slow
+def test_chunked_prefill_and_prompt_compression_on_a_mesh_match_one_device():
+    """The chunked prefill (chunks of 16 over the 32-column bucket) gives one device's dense tokens on a mesh of
+    rows and heads, for a method with a query ring (vase_attnv) and one with per-slot state (h2o); prompt
+    compression (N = 16 < the prompts) evicts per device like one device does."""
+    result = run_devices("""
+        rows = []
+        for method, chunk, compress in (("vase_attnv", 16, False), ("h2o", 16, False), ("vase_attnv", 16, True)):
+            ev = vj.EvictionConfig(method, budget=16, buffer=8, compress_prompt=compress)
+            ref = vj.generate(model, ids, mask, key=jax.random.key(3), config=config(True), eviction=ev)
+            out = vj.generate(shard_model(model, make_mesh(2, 2)), ids, mask, key=jax.random.key(3),
+                              config=config(True, prefill_chunk=chunk), eviction=ev)
+            rows.append(dict(method=method, compress=compress, evictions=int(out.evictions),
+                             ref_evictions=int(ref.evictions),
+                             same=[int(np.argmin(np.append(a == b, False)))
+                                   for a, b in zip(np.asarray(out.tokens), np.asarray(ref.tokens))]))
+        print(json.dumps(rows))
+    """, devices=4)
+    for row in result:
+        assert row["same"] == [40] * 8, row  # the first differing step per row (40: none)
+        assert row["evictions"] == row["ref_evictions"] >= 3, row
+
+
+@pytest.mark.slow
 def test_mesh_hlo_keeps_eviction_local_and_bad_input():
     """Compiled on a (2, 4) mesh: no all-gather or all-to-all of slot-sized data in any loop (decode steps and the
     eviction branch); bad meshes fail with a clear error before compiling."""
@@ -332,6 +355,27 @@ def test_plan_script_counts_per_device_bytes():
     assert out["compiled_bytes"]["temporaries"] > got["cache"]  # the cache is created inside the program
     assert got["inputs"] >= 0 and got["temporaries"] > 0 and got["outputs"] > 0
     assert sum(v for k, v in got.items() if k != "total") == got["total"]  # the table adds up
+
+
+def test_plan_script_takes_the_prompt_settings():
+    """--compress-prompt: the cache holds N + B slots whatever the prompt (with `full` refused); --prefill-chunk
+    reaches the config."""
+    import vase_jax as vj
+    from vase_jax.eviction import framework
+
+    args = ("--model", "tiny-1k", "--target", "cpu", "--batch", "4", "--budget", "48", "--buffer", "16",
+            "--prompt", "4000", "--max-new-tokens", "256", "--no-compile", "--json")
+    kept = json.loads(_plan(*args).stdout.strip().splitlines()[-1])
+    out = json.loads(_plan(*args, "--compress-prompt", "--prefill-chunk", "512").stdout.strip().splitlines()[-1])
+    assert kept["capacity"] >= 4096 + 16 and kept["prefill_chunk"] == 256 and not kept["compress_prompt"]
+    assert out["capacity"] == framework.capacity_for(vj.EvictionConfig("rkv", budget=48, buffer=16,
+                                                                        compress_prompt=True), 4096, 256) == 64
+    assert out["compress_prompt"] and out["prefill_chunk"] == 512
+    assert out["per_device_bytes"]["cache"] < kept["per_device_bytes"]["cache"] / 40
+    bad = _plan(*args, "--method", "full", "--compress-prompt")
+    assert bad.returncode == 2 and "compress_prompt=True needs an evicting method" in bad.stderr, bad.stderr
+    bad = _plan(*args, "--prefill-chunk", "8")
+    assert bad.returncode == 2 and "--prefill-chunk=8" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow

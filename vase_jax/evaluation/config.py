@@ -33,7 +33,9 @@ SCHEDULERS = ("continuous", "static")
 AUTO = "auto"  # --batch-size: the most rows the device fits, per (method, budget) (`vase_jax.planner`)
 RESULT_FIELDS = ("model", "task", "data_sha256", "buffer", "value_slots", "max_new_tokens",
                  "max_total_tokens", "temperature", "top_p", "top_k", "batch_size", "seed", "dtype", "kv_protected",
-                 "calibration_sha256")
+                 "calibration_sha256", "compress_prompt", "prefill_chunk")
+# What a config.json written before a field existed ran with (the dense prefill, the whole prompt kept)
+FIELD_DEFAULTS = {"compress_prompt": False, "prefill_chunk": None}
 # Result fields of some methods only (TriAttention's statistics): compared when both runs set them, and kept in
 # config.json by a later run that does not (so that a run of other methods can resume the folder).
 METHOD_FIELDS = ("calibration_sha256",)
@@ -76,6 +78,9 @@ class EvalConfig:
     # TriAttention's query statistics (a file; None when no method takes a calibration) and its bytes' digest
     calibration: str | None = None
     calibration_sha256: str = ""
+    # `EvictionConfig.compress_prompt` for every evicting method; `GenerateConfig.prefill_chunk` (None: dense)
+    compress_prompt: bool = False
+    prefill_chunk: int | None = GenerateConfig.prefill_chunk
     format: int = FORMAT
 
     @property
@@ -99,7 +104,8 @@ class EvalConfig:
         if method == "full":
             return EvictionConfig("full")
         own = {"calibration": self.calibration} if "calibration" in METHODS[method].option_names else {}
-        return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots, **own)
+        return EvictionConfig(method, budget=budget, buffer=self.buffer, value_slots=self.value_slots,
+                              compress_prompt=self.compress_prompt, **own)
 
     def generate_config(self, max_new_tokens: int, kv_bits: str = BF16) -> GenerateConfig:
         kv = KVBits.parse(kv_bits)
@@ -107,7 +113,7 @@ class EvalConfig:
                          kv_protected=self.kv_protected, kv_refine=kv.refine) if kv.quantizes else {}
         ends = {} if self.eos_token_ids is None else {"eos_token_ids": tuple(self.eos_token_ids)}
         return GenerateConfig(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, **quantized, **ends)
+                              top_k=self.top_k, prefill_chunk=self.prefill_chunk, **quantized, **ends)
 
     def token_limits(self, prompt_len: int) -> tuple[int, int]:
         """(max_new_tokens passed to `generate`, exact output cap recorded) for a `prompt_len`-token prompt.
@@ -203,6 +209,7 @@ def resolve(
     limit: int | None = None, seed: int | None = None, dtype: str = "bfloat16", save_text: bool = False,
     tests_dir: str | None = None, scheduler: str = "continuous", kv_bits: tuple[str, ...] = (BF16,),
     kv_protected: int | None = None, kv_methods: tuple[str, ...] | None = None, calibration: str | None = None,
+    compress_prompt: bool = False, prefill_chunk: int | None = GenerateConfig.prefill_chunk,
 ) -> tuple[EvalConfig, list[Problem]]:
     """Fill defaults from the task (paper settings), validate every field, read the problems.
 
@@ -255,6 +262,11 @@ def resolve(
             raise ValueError(f"--kv-methods: {refused[0]!r} does not run on the mixed-precision cache of --kv-bits "
                              f"{','.join(k for k in kv_bits if k != BF16)}; methods that do: {able}")
     _positive("seed", seed, allow_none=True, minimum=0)
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 16):
+        raise ValueError(f"--prefill-chunk={prefill_chunk!r}; allowed: 0 (the dense prefill) or an int >= 16")
+    if compress_prompt and any(kv != BF16 for kv in kv_bits):
+        raise ValueError(f"--compress-prompt runs on the 16-bit cache; --kv-bits {','.join(kv_bits)} asks for a "
+                         "mixed-precision one: drop one of the two")
     samples = samples or t.samples
     if data is not None and not os.path.isfile(data):
         raise ValueError(f"--data={data!r} is not an existing file")
@@ -282,6 +294,7 @@ def resolve(
         seed=t.seed if seed is None else seed, dtype=dtype, save_text=save_text, scheduler=scheduler,
         kv_bits=kv_bits, kv_protected=kv_protected, kv_methods=kv_methods, calibration=calibration,
         calibration_sha256=hashlib.sha256(Path(calibration).read_bytes()).hexdigest() if calibration else "",
+        compress_prompt=bool(compress_prompt), prefill_chunk=prefill_chunk,
     )
     try:
         cfg.generate_config(cfg.max_new_tokens or 1).validate()
@@ -341,9 +354,10 @@ def check_resume(cfg: EvalConfig, out_dir: Path) -> None:
     for field in ("format", *RESULT_FIELDS):
         if field in METHOD_FIELDS and not (saved.get(field) and now[field]):
             continue
-        if saved.get(field) != now[field]:
+        if saved.get(field, FIELD_DEFAULTS.get(field)) != now[field]:
             raise ValueError(
-                f"--out {out_dir} was run with {field}={saved.get(field)!r}, now {field}={now[field]!r}; "
+                f"--out {out_dir} was run with {field}={saved.get(field, FIELD_DEFAULTS.get(field))!r}, now "
+                f"{field}={now[field]!r}; "
                 "that changes results: use the same settings or a new --out"
             )
 
