@@ -171,6 +171,8 @@ def test_prompt_compression_keeps_snapkvs_selection_and_n_plus_b_slots(chunk):
     ids, mask = _prompts()
     layout = cache_layout(model.cfg, config, ev, WIDTH)
     assert layout.slots == framework.capacity_for(ev, 8192, 40) < WIDTH  # N + B (aligned), whatever the prompt
+    paper = vj.EvictionConfig("vase_attnv", budget=2048, buffer=64, compress_prompt=True)
+    assert framework.capacity_for(paper, 8192, 256) == 2112  # P = 8192, N = 2048, B = 64
     target = Target.of(model.embedding[...])
     _, evict_key = split_keys(jax.random.key(0), 3)
     _, cache = jax.jit(lambda i, m: prefill_prompts(model, i, m, layout, config, ev, evict_key, jnp.arange(3),
