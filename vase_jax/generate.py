@@ -357,12 +357,12 @@ def _prepare(model, input_ids, attention_mask, key, config, eviction, row_ids, m
         input_ids = jnp.pad(input_ids, ((0, 0), (t - t_in, 0)), constant_values=prompt_pad_id(config, model.cfg))
         attention_mask = jnp.pad(attention_mask, ((0, 0), (t - t_in, 0)))
     layout = cache_layout(model.cfg, config, eviction, t)
-    weights = model.embedding[...]
-    device = None if isinstance(weights, jax.core.Tracer) else next(iter(weights.devices()))
-    filled = jax.eval_shape(lambda: prompt_layout(layout, eviction, config, t).init(
-        model.cfg, b, query_window(eviction), model.dtype, framework.slot_state(eviction), target))
-    limits.check_fits(model.cfg, model.dtype, b, t, t_in, filled, config.prefill_chunk,
-                      1 if mesh is None else mesh.size, device)
+    weights = model.embedding.get_value()  # an array here; traced in the caller's jit; abstract when lowering
+    if isinstance(weights, jax.Array) and not isinstance(weights, jax.core.Tracer):  # the device is here: fit it
+        filled = jax.eval_shape(lambda: prompt_layout(layout, eviction, config, t).init(
+            model.cfg, b, query_window(eviction), model.dtype, framework.slot_state(eviction), target))
+        limits.check_fits(model.cfg, model.dtype, b, t, t_in, filled, config.prefill_chunk,
+                          1 if mesh is None else mesh.size, next(iter(weights.devices())))
     if row_ids is None:
         row_ids = jnp.arange(b, dtype=jnp.int32)
     input_ids, attention_mask = input_ids.astype(jnp.int32), attention_mask.astype(jnp.int32)
