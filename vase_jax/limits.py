@@ -15,6 +15,7 @@ compression (a cache of N + B slots), fewer rows.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +25,25 @@ from vase_jax.config import Qwen3Config, param_shapes
 GIB = 2**30
 
 
-def device_bytes(device: jax.Device) -> int | None:
-    """Bytes JAX may use on `device`: a GPU's or TPU's allocator limit, a CPU's MemAvailable; None if unknown."""
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_bytes(device: jax.Device) -> int | None:
+    """Bytes JAX may use on `device`: a GPU's or TPU's allocator limit, a CPU's `available_host_bytes`; None if
+    the device says nothing."""
+    if device.platform == "cpu":
+        return available_host_bytes()
+    stats = device.memory_stats() or {}
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 
 def scores_bytes(cfg: Qwen3Config, batch: int, bucket: int, chunk: int | None) -> int:

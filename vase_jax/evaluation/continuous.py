@@ -13,7 +13,6 @@ batch), so that the records' seconds add up to the wall time, as under the stati
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
@@ -21,7 +20,7 @@ import jax
 from flax import nnx
 
 import vase_jax as vj
-from vase_jax import batching, planner
+from vase_jax import batching, limits, planner
 from vase_jax.evaluation.config import AUTO, EvalConfig
 from vase_jax.evaluation.records import RecordStore, make_record, problem_key
 from vase_jax.tasks import Problem, get_task
@@ -79,7 +78,7 @@ def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, sample
     device = next(iter(jax.tree.leaves(nnx.state(model))[0].devices()))
     memory = planner.device_memory(device)
     if memory is None:  # the CPU: what the host has free
-        memory = int(0.8 * _available_host_bytes())
+        memory = int(0.8 * limits.available_host_bytes())
     found = planner.largest_batch(model.cfg, eviction, target=device, device_bytes=memory, config=config,
                                   prompt_len=prompt_len, dtype=model.dtype, samples=samples)
     if found.rows < 1:
@@ -87,15 +86,3 @@ def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, sample
     print(f"--batch-size auto, {eviction.method}{'' if not eviction.evicts else f'@{eviction.budget}'}: "
           f"{found.rows} rows ({found.reason})", file=sys.stderr)
     return found.rows
-
-
-def _available_host_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
