@@ -43,7 +43,7 @@ from benchmarks.timing import Stat, bandwidth, decode_rate, device_desc, load_wa
 from vase_jax import batching, planner
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import LAYER_LOOPS, generate_target, generate_tiers, query_window
+from vase_jax.generate import LAYER_LOOPS, MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
 from vase_jax.kvquant import KVBits, token_bytes
 from vase_jax.random_model import named_configs, shrink
@@ -176,8 +176,9 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     _at_least(args, 0, "spread_samples", "warmup")
     _at_least(args, 1, "batch", "prompt_len", "micro_steps", "bandwidth_mib", "samples", "queue")
     _at_least(args, 3, "repeats")
-    if args.prefill_chunk and args.prefill_chunk < 16:
-        raise ValueError(f"--prefill-chunk={args.prefill_chunk}: 0 (the dense prefill) or at least 16")
+    if args.prefill_chunk and args.prefill_chunk < MIN_PREFILL_CHUNK:
+        raise ValueError(f"--prefill-chunk={args.prefill_chunk}: 0 (the dense prefill) or at least "
+                         f"{MIN_PREFILL_CHUNK}")
     if min(args.output_lens, default=0) < 2:
         raise ValueError(f"--output-lens={args.output_lens}: each must be >= 2 (a prefill token and a decode step)")
     args.output_lens = sorted(set(args.output_lens))

@@ -127,7 +127,6 @@ def main(argv=None) -> int:
 
     from vase_jax import aot
     from vase_jax.config import Qwen3Config
-    from vase_jax.eviction.config import EvictionConfig
     from vase_jax.planner import plan_memory
     from vase_jax.random_model import named_configs
     from vase_jax.sharding import check_mesh, make_mesh
@@ -153,9 +152,7 @@ def main(argv=None) -> int:
         target_devices = None if args.target == "cpu" or args.no_compile else aot.TARGETS[args.target].devices(devices)
         mesh = make_mesh(sizes["data"], sizes["model"], target_devices)
         check_mesh(cfg, mesh, args.batch)
-        eviction = (EvictionConfig("full", compress_prompt=args.compress_prompt) if args.method == "full" else
-                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer,
-                                   compress_prompt=args.compress_prompt))
+        eviction = eviction_of(args)
         plan = plan_memory(cfg, mesh, args.batch, eviction, prompt_len=args.prompt,
                            max_new_tokens=args.max_new_tokens, dtype=getattr(jnp, args.dtype),
                            compile_program=not args.no_compile, config=kv_config(args))
@@ -221,6 +218,15 @@ def print_rows(rows: dict, meaning: dict) -> None:
         print(f"  {name:12s} {amount}  {meaning[name]}")
 
 
+def eviction_of(args):
+    """The `EvictionConfig` of --method, --budget, --buffer, --compress-prompt."""
+    from vase_jax.eviction.config import EvictionConfig
+
+    if args.method == "full":
+        return EvictionConfig("full", compress_prompt=args.compress_prompt)
+    return EvictionConfig(args.method, budget=args.budget, buffer=args.buffer, compress_prompt=args.compress_prompt)
+
+
 def kv_config(args):
     """The `GenerateConfig` of --kv-bits / --kv-protected (ValueError naming the flag)."""
     from vase_jax.generate import GenerateConfig
@@ -245,14 +251,11 @@ def engine_main(args, cfg, compiler: str) -> int:
     """--engine / --batch auto: the continuous engine on one device of the target (jax is configured by main)."""
     import jax.numpy as jnp
 
-    from vase_jax.eviction.config import EvictionConfig
     from vase_jax.planner import largest_batch, plan_engine
 
     dtype = getattr(jnp, args.dtype)
     try:
-        eviction = (EvictionConfig("full", compress_prompt=args.compress_prompt) if args.method == "full" else
-                    EvictionConfig(args.method, budget=args.budget, buffer=args.buffer,
-                                   compress_prompt=args.compress_prompt))
+        eviction = eviction_of(args)
         config = dataclasses.replace(kv_config(args), max_new_tokens=args.max_new_tokens)
         target = "cpu" if args.no_compile else args.target  # no compile: the buffers' bytes need no compiler
         common = dict(target=target, config=config, prompt_len=args.prompt, dtype=dtype, queue=args.queue)

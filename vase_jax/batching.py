@@ -147,6 +147,12 @@ def queue_for(rows: int, queue: int | None, rule: RowRule) -> int:
     return padded_rows(queue, rule)
 
 
+def staged_layout(capacity: CacheLayout | TierLayout, prompt_slots: int, eviction: EvictionConfig):
+    """The cache a round's staged prompts are prefilled into: one of `prompt_slots` (`for_prompts`), or with prompt
+    compression the batch's own N + B slots (`capacity`)."""
+    return capacity if eviction.compress_prompt else capacity.for_prompts(prompt_slots)
+
+
 def validate_requests(requests: list[Request], rows: int, config: GenerateConfig) -> None:
     """Clear errors, before anything compiles: rows >= 1, caps in [1, config.max_new_tokens], non-empty prompts."""
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
@@ -319,8 +325,7 @@ def run(
         return []
     slots = max(config.bucket(len(r.prompt)) for r in requests)
     capacity = cache_layout(model.cfg, config, eviction, slots)
-    # the staged prompts' cache (compressed prompts: the batch's N + B slots)
-    slots = capacity if eviction.compress_prompt else capacity.for_prompts(slots)
+    slots = staged_layout(capacity, slots, eviction)
     graphdef, params = nnx.split(model)
     e = init_state(model.cfg, model.dtype, rows, padded_rows(rows, rule), queue, config, eviction, capacity,
                     target)

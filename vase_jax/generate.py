@@ -47,6 +47,7 @@ from vase_jax.tiers import TierLayout, tier_layout
 QWEN3_END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 LAYER_LOOPS = ("auto",) + TARGET_LOOPS
+MIN_PREFILL_CHUNK = 16  # `GenerateConfig.prefill_chunk`'s smallest value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +145,10 @@ class GenerateConfig:
         if not isinstance(self.kv_refine, bool):
             raise ValueError(f"GenerateConfig.kv_refine={self.kv_refine!r} must be a bool")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or
-                                               isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 16):
+                                               isinstance(self.prefill_chunk, bool) or
+                                               self.prefill_chunk < MIN_PREFILL_CHUNK):
             raise ValueError(f"GenerateConfig.prefill_chunk={self.prefill_chunk!r}; allowed: None (dense prefill) or "
-                             "an int >= 16 (prompt tokens per chunk)")
+                             f"an int >= {MIN_PREFILL_CHUNK} (prompt tokens per chunk)")
         if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
             raise ValueError(f"GenerateConfig.prompt_buckets={self.prompt_buckets!r} must be strictly increasing")
         return self

@@ -8,8 +8,8 @@ A lower bound of the device bytes a call needs, from shapes alone:
 
 (`scripts/plan.py` gives the compiler's exact figure). When the bound exceeds the memory JAX may use on the model's
 device (the allocator limit of a GPU or TPU; on a CPU, MemAvailable of /proc/meminfo), `check_fits` raises a
-ValueError naming the prompt length, the cache's slots and the settings that would fit: the chunked prefill, prompt
-compression (a cache of N + B slots), fewer rows.
+ValueError naming the prompt length, the cache's slots and the settings that need less: the chunked prefill, fewer
+rows (prompt compression does not lower the prefill's peak: the whole prompt's keys are held until its last chunk).
 """
 
 from __future__ import annotations

@@ -228,8 +228,7 @@ class _EnginePrograms:
         self.cfg, self.eviction, self.dtype = cfg, eviction, jnp.dtype(dtype)
         self.slots = self.config.bucket(prompt_len)
         self.capacity = cache_layout(cfg, self.config, eviction, self.slots)  # as `run` makes it
-        # the staged prompts' cache, as `batching.run` makes it (compressed prompts: the batch's N + B slots)
-        self.stage_slots = self.capacity if eviction.compress_prompt else self.capacity.for_prompts(self.slots)
+        self.stage_slots = batching.staged_layout(self.capacity, self.slots, eviction)  # as `run` makes it
         # On JAX's default device the arguments carry no sharding, as the engine's own arrays do: the programs
         # lowered here are then the ones `batching.run` compiles (the same text: a persistent compilation cache
         # serves them). Elsewhere (a deviceless target, the CPU beside a GPU) they are placed on the device.

@@ -136,8 +136,9 @@ class TierLayout:
             index = column.reshape(column.shape[:1] + (1,) + column.shape[1:] + (1,) * (x.ndim - 3))
             return jnp.take_along_axis(x[:, :, :seq], index, axis=2)
 
+        sums = next(iter(staged.state.values()), None)  # every state array holds the same sums
+
         def one_layer(layer, cache):
-            sums = next(iter(staged.state.values()), None)  # every state array holds the same sums
             weights = None if sums is None else left_padded(layer_of(sums, layer))
             return tier_prompt(cache, layer, left_padded(staged.layer_keys(layer)),
                                left_padded(staged.layer_values(layer)), token_mask, weights)

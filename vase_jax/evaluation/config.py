@@ -18,7 +18,7 @@ from pathlib import Path
 from vase_jax.eviction import METHODS
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.triattention import calibrate_command, stats_path
-from vase_jax.generate import GenerateConfig
+from vase_jax.generate import MIN_PREFILL_CHUNK, GenerateConfig
 from vase_jax.kvquant import KVBits
 from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
@@ -262,8 +262,11 @@ def resolve(
             raise ValueError(f"--kv-methods: {refused[0]!r} does not run on the mixed-precision cache of --kv-bits "
                              f"{','.join(k for k in kv_bits if k != BF16)}; methods that do: {able}")
     _positive("seed", seed, allow_none=True, minimum=0)
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 16):
-        raise ValueError(f"--prefill-chunk={prefill_chunk!r}; allowed: 0 (the dense prefill) or an int >= 16")
+    try:
+        GenerateConfig(prefill_chunk=prefill_chunk).validate()
+    except ValueError:
+        raise ValueError(f"--prefill-chunk={prefill_chunk!r}; allowed: 0 (the dense prefill) or an int >= "
+                         f"{MIN_PREFILL_CHUNK}") from None
     if compress_prompt and any(kv != BF16 for kv in kv_bits):
         raise ValueError(f"--compress-prompt runs on the 16-bit cache; --kv-bits {','.join(kv_bits)} asks for a "
                          "mixed-precision one: drop one of the two")
