@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
     a("--prefill-chunk", type=int, default=vj.GenerateConfig.prefill_chunk, help="GenerateConfig.prefill_chunk: "
       "prompt tokens per prefill chunk past that many (default 256); 0: the dense prefill")
+    a("--no-batch-invariant", action="store_true", help="GenerateConfig.batch_invariant=False: a batch smaller "
+      "than the machine's invariant rows is not padded (the invariance's cost, against the default)")
     a("--repeats", type=int, default=3, help="timed runs per figure (>= 3)")
     a("--warmup", type=int, default=1, help="untimed runs after compiling, before the timed ones")
     a("--micro-steps", type=int, default=8, help="decode steps per micro-benchmark call")
@@ -280,7 +282,8 @@ class Bench:
     def generate_config(self, n: int) -> vj.GenerateConfig:
         return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
                                  layer_loop=self.args.layer_loop, attention_impl=self.args.attention_impl,
-                                 prefill_chunk=self.args.prefill_chunk or None)
+                                 prefill_chunk=self.args.prefill_chunk or None,
+                                 batch_invariant=not self.args.no_batch_invariant)
 
     def program(self, config: vj.GenerateConfig, ev: EvictionConfig) -> tuple[functools.partial, object, dict]:
         """`generate` compiled as it compiles itself, called on the unpadded prompt: (the call, the compiled
@@ -490,7 +493,7 @@ def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionCon
             "dtype": jnp.dtype(model.dtype).name, "param_bytes": ds.param_bytes(model), "batch": args.batch,
             "prompt_len": args.prompt_len, "prompt_bucket": bench.bucket, "repeats": args.repeats,
             "warmup": args.warmup, "micro_steps": args.micro_steps, "attention_impl": args.attention_impl,
-            "prefill_chunk": args.prefill_chunk or None,
+            "prefill_chunk": args.prefill_chunk or None, "batch_invariant": not args.no_batch_invariant,
             "layer_loop": bench.target.layer_loop}
     result = {"meta": meta, "runs": []}
 

@@ -240,14 +240,20 @@ def test_kv_bits_report(tmp_path):
 
 
 def test_compile_only(tmp_path):
-    """--compile-only: the program `Bench.run` would time, compiled and not run: seconds, HLO lines, temporaries."""
-    args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods", "full",
-            "--compile-only", "--out", str(tmp_path)]
-    assert bench.main(args) == 0
-    (row,) = json.loads((tmp_path / "results.json").read_text())["compile"]
-    assert row["method"] == "full" and row["capacity"] >= 16 + 24 and row["hlo_lines"] > 0
-    assert 0 < row["lower_s"] < row["compile_s"] and row["program_bytes"] > row["temp_bytes"] > 0
-    assert "| full | " in (tmp_path / "results.md").read_text()
+    """--compile-only: the program `Bench.run` would time, compiled and not run: seconds, HLO lines, temporaries.
+    One row, with batch invariance (the default: the row runs beside copies, `vase_jax.invariance`) and without
+    (--no-batch-invariant), the two programs the invariance's cost is timed on."""
+    rows = {}
+    for name, flag in (("on", []), ("off", ["--no-batch-invariant"])):
+        args = ["--model", "tiny-1k", "--batch", "1", "--prompt-len", "16", "--output-lens", "24", "--methods",
+                "full", "--compile-only", *flag, "--out", str(tmp_path / name)]
+        assert bench.main(args) == 0
+        (rows[name],) = json.loads((tmp_path / name / "results.json").read_text())["compile"]
+        assert "| full | " in (tmp_path / name / "results.md").read_text()
+    for row in rows.values():
+        assert row["method"] == "full" and row["capacity"] >= 16 + 24 and row["hlo_lines"] > 0
+        assert 0 < row["lower_s"] < row["compile_s"] and row["program_bytes"] > row["temp_bytes"] > 0
+    assert rows["on"]["temp_bytes"] > rows["off"]["temp_bytes"]  # the padded rows' cache and activations
 
 
 # ---- the AIME25 workload ----------------------------------------------------------------------------------------
