@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vase_jax import aot, batching
+from vase_jax import aot, batching, limits
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
 from vase_jax.eviction.config import EvictionConfig
@@ -196,8 +196,7 @@ def device_memory(target) -> int | None:
     default); None where nothing says (the CPU)."""
     if isinstance(target, str):
         return DEVICE_MEMORY.get(target)
-    stats = target.memory_stats() if target.platform != "cpu" else None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+    return None if target.platform == "cpu" else limits.device_bytes(target)
 
 
 def _positive_int(name: str, value) -> int:
