@@ -14,9 +14,7 @@ def num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = ""
 
 def spread(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
     """A `timing.Stat` dict as "median [min-max]" (times `scale`); "-" for None."""
-    if stat is None:
-        return "-"
-    return f"{stat['median'] * scale:{spec}} [{stat['min'] * scale:{spec}}-{stat['max'] * scale:{spec}}]"
+    return "-" if stat is None else "{} [{}-{}]".format(*(num(stat[k], spec, scale) for k in ("median", "min", "max")))
 
 
 def method_label(method: str, budget: int | None = None) -> str:

@@ -1,14 +1,11 @@
 """The one timing loop, its statistics, the one memory-bandwidth probe, and the machine a figure was taken on.
-
 Every benchmark times with `time_runs`: wall seconds of `fn()` ended by `jax.block_until_ready`, after untimed
 warm-up calls (which compile). A figure is the median of the runs (min and max kept); a capacity (bandwidth, a
-kernel's best launch) is the minimum.
-"""
+kernel's best launch) is the minimum."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import platform
 import statistics
@@ -49,23 +46,24 @@ class Stat:
 
 def time_runs(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Stat:
     """Wall seconds of `fn()` (result passed to `jax.block_until_ready`), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
     times = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return Stat.of(times)
+    return Stat.of(times[warmup:])
 
 
 def decode_rate(total: Stat, prefill: Stat, tokens: int) -> Stat | None:
-    """tokens / (total - fastest prefill) per run. Each run holds one prefill, never (but for noise) faster than
-    the fastest one timed alone, so a run's decode time is not underestimated by a slow prefill sample on a busy
-    machine. None when a run is still not longer than the prefill (too short to separate the decode steps from
-    the noise)."""
+    """tokens / (total - fastest prefill) per run: each run holds one prefill, never (but for noise) faster than the
+    fastest one timed alone, so a slow prefill sample on a busy machine does not inflate the rate. None when a run
+    is not longer than the prefill (too short to separate the decode steps from the noise)."""
     decode = [t - prefill.min for t in total.runs]
     return None if min(decode) <= 0 else Stat.of(tokens / d for d in decode)
+
+
+_sum = jax.jit(jnp.sum)
+_add_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
 
 
 def bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
@@ -75,42 +73,32 @@ def bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
                same bytes: the same memory, another loop; the faster counts)
         copy = 2 * num_bytes / seconds of `x + 1` in place (donated: each run rewrites the same pages), read + write
     """
-    n = num_bytes // 4
-    box = [jnp.ones((n,), jnp.float32)]
-    read = time_runs(functools.partial(_sum, box[0]), repeats, warmup=1).min
+    box = [jnp.ones((num_bytes // 4,), jnp.float32)]
+    read = time_runs(lambda: _sum(box[0]), repeats, warmup=1).min
     if jax.default_backend() == "cpu":
-        read = min(read, time_runs(np.ones(n, np.float32).sum, repeats, warmup=1).min)
+        read = min(read, time_runs(np.ones(num_bytes // 4, np.float32).sum, repeats, warmup=1).min)
 
     def add_one():
         box[0] = _add_one(box[0])
         return box[0]
 
-    copy = time_runs(add_one, repeats, warmup=1).min
-    return {"read": num_bytes / read, "copy": 2 * num_bytes / copy}
-
-
-_sum = jax.jit(jnp.sum)
-_add_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    return {"read": num_bytes / read, "copy": 2 * num_bytes / time_runs(add_one, repeats, warmup=1).min}
 
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def load_warning(load: float) -> str | None:
     """A warning when the machine is busy, or None."""
-    if load <= QUIET_LOAD:
-        return None
-    return (f"load average {load:.2f} > {QUIET_LOAD}: other processes share the CPU; timings and ratios are not "
-            "reliable; benchmark on a quiet machine")
+    return None if load <= QUIET_LOAD else (
+        f"load average {load:.2f} > {QUIET_LOAD}: other processes share the CPU; timings and ratios are not "
+        "reliable; benchmark on a quiet machine")
 
 
 def device_desc() -> str:
