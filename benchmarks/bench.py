@@ -1,11 +1,12 @@
-"""Decode speed, memory and cost of `vase_jax.generate` per eviction method, budget and output length, with a
-memory-bandwidth roofline (default), the same pieces timed alone (--micro), the mixed-precision cache (--kv-bits) and
-the AIME25 protocol measured and projected (--workload aime25, `benchmarks.workload`; --scale tiny: its CPU copy):
+"""Decode speed, memory and cost of `vase_jax.generate` per eviction method, budget, output length and cache
+setting, against a memory-bandwidth roofline:
 
     python -m benchmarks.bench --model small --batch 2 --output-lens 2048,8192 --budgets 1024 --out bench_long
 
-`--model`: a hub id, an HF folder or a named random model (`vase_jax.random_model.named_configs`, shrunk by --layers,
---vocab, --hidden, --intermediate). Generations are greedy and fixed-length. How each figure is obtained:
+--kv-bits adds a row per mixed-precision cache (and `full`'s step on each); --micro times the pieces alone (a decode
+step, an eviction event), no `generate`; --workload aime25 measures and projects the AIME25 protocol (--scale tiny:
+its CPU copy). `--model`: a hub id, an HF folder or a named random model (`random_model.named_configs`, shrunk by
+--layers, --vocab, --hidden, --intermediate). Generations are greedy and fixed-length. How each figure is obtained:
 docs/BENCHMARKS.md, "How the figures are obtained"."""
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -30,11 +29,11 @@ import vase_jax as vj
 from benchmarks import decode_step as ds
 from benchmarks import workload as wl
 from benchmarks.report import ints, method_label, num, spread, table, write_results
-from benchmarks.timing import Stat, bandwidth, decode_rate, device_desc, load_warning, machine, time_runs
+from benchmarks.timing import bandwidth, decode_rate, device_desc, load_warning, machine, time_turns
 from vase_jax import planner
 from vase_jax.cache import cache_bytes
 from vase_jax.eviction import METHODS, EvictionConfig, framework
-from vase_jax.generate import LAYER_LOOPS, MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
+from vase_jax.generate import MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
 from vase_jax.kvquant import KVBits, token_bytes
 from vase_jax.random_model import named_configs, shrink
@@ -45,6 +44,7 @@ DEFAULTS = {"model": "qwen3-0.6b", "prompt_len": 128, "methods": "full,vase_attn
 # --workload aime25 --scale S: the protocol's shape and S's defaults (before DEFAULTS; flags given win)
 AIME25_SCALES = {"protocol": (wl.AIME25, {"model": "qwen3-14b", "dtype": "bfloat16", "budgets": [2048]}),
                  "tiny": (wl.AIME25_TINY, {"model": "tiny-1k", "budgets": [32], "buffer": 8, "batch": 6})}
+BF16 = "K16V16"  # the 16-bit cache's `KVBits` name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,7 +74,7 @@ def kv_settings(text: str) -> list[str]:
     """--kv-bits: canonical `KVBits` names, bf16 first."""
     try:
         names = [KVBits.parse(t.strip()).validate().name for t in text.split(",") if t.strip()]
-        return list(dict.fromkeys(["K16V16", *names]))
+        return list(dict.fromkeys([BF16, *names]))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -86,15 +86,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--model", help="hub id, HF folder or named random model (default qwen3-0.6b; aime25: qwen3-14b, tiny-1k)")
     for name in ("layers", "vocab", "hidden", "intermediate"):
         a(f"--{name}", type=int, help=f"named random models: {name} (heads unchanged)")
-    a("--layer-loop", default="auto", choices=LAYER_LOOPS, help="GenerateConfig.layer_loop")
     a("--dtype", choices=("float32", "bfloat16"), help="default: float32 (CPU), bfloat16 (GPU)")
     a("--batch", type=positive, help="rows (default 4; aime25: the most that fit the device, per method)")
     a("--prompt-len", type=positive, help="random prompt tokens per row (default 128; aime25: 256)")
     a("--output-lens", type=_at_least(2, ints), default=[1024], help="comma list: new tokens per row")
     a("--methods", help="comma list of full and eviction METHODS (default full,vase_attnv,vase_dkv), paper or all")
-    a("--budgets", type=ints, help="comma list of budgets N (default 512, aime25: 2048)")
+    a("--budgets", type=_at_least(1, ints), help="comma list of budgets N (default 512, aime25: 2048)")
     a("--buffer", type=int, help="buffer B, the eviction period (default 64)")
-    a("--attention-impl", default="auto", choices=("auto", "xla", "pallas"))
     a("--prefill-chunk", type=_checked(int, lambda v: v == 0 or v >= MIN_PREFILL_CHUNK, f"0 (dense) or >= "
       f"{MIN_PREFILL_CHUNK}"), default=vj.GenerateConfig.prefill_chunk, help="GenerateConfig.prefill_chunk; 0: dense")
     a("--no-batch-invariant", action="store_true", help="GenerateConfig.batch_invariant=False (the invariance's cost)")
@@ -109,14 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--scale", choices=tuple(AIME25_SCALES), default="protocol", help="aime25: the protocol or its CPU copy")
     a("--seconds", type=above_0, default=120.0, help="aime25: measuring seconds per method (plan, compile on top)")
     a("--deadline", type=float, help="aime25, --micro: when the measuring ends (seconds since the epoch)")
-    a("--samples", type=positive, help="aime25: samples (default 480; tiny 24)")
     a("--device-gb", type=above_0, help="aime25: device GB the batch must fit (default: the allocator's limit)")
-    a("--headroom", type=_checked(float, lambda v: 0 <= v < 1, "must be in [0, 1)"), default=0.05)  # aime25
-    a("--queue", type=positive, help="aime25: samples prefilled per round (default: as batching.run)")
-    a("--seed", type=int, default=0)
     a("--out", help="folder for results.json and results.md")
-    a("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache (default ~/.cache/vase-jax/xla)")
-    a("--no-compile-cache", action="store_true", help="compile every program anew")
+    a("--no-compile-cache", action="store_true", help="no persistent compilation cache (default ~/.cache/vase-jax/xla)")
     return p.parse_args(argv)
 
 
@@ -127,8 +120,8 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
         if args.micro:
             raise ValueError("--micro is the decode mode's: drop --workload")
         shape, defaults = AIME25_SCALES[args.scale]
-        for name, value in (defaults | {"methods": "vase_dkv,vase_attnv,full", "prompt_len": shape["prompt_len"],
-                                        "samples": shape["samples"]}).items():
+        defaults = defaults | {"methods": "vase_dkv,vase_attnv,full", "prompt_len": shape["prompt_len"]}
+        for name, value in defaults.items():
             if getattr(args, name) is None and not (name == "batch" and args.device_gb is not None):
                 setattr(args, name, value)
         if args.prompt_len + 2 > shape["total_tokens"]:
@@ -145,10 +138,8 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     if not names or set(names) - {"full", *METHODS}:
         raise ValueError(f"--methods: unknown {sorted(set(names) - {'full', *METHODS}) or names}; known: full, "
                          f"{', '.join(sorted(METHODS))}")
-    if not args.budgets and set(names) - {"full"}:
-        raise ValueError(f"--budgets is empty but {sorted(set(names) - {'full'})} need a budget")
-    configs = [EvictionConfig(m) if m == "full" else EvictionConfig(m, budget=n, buffer=args.buffer)
-               for m in names for n in ([None] if m == "full" else args.budgets)]
+    configs = [EvictionConfig(m, buffer=args.buffer) if m == "full" else EvictionConfig(m, budget=n, buffer=args.buffer)
+               for m in names for n in ([None] if m == "full" else args.budgets)]  # full: B, the tiers' period
     configs = [ev if ev.evicts and "calibration" in ev.policy.option_names else ev.validate() for ev in configs]
     if args.workload:  # the batch fills the device: JAX's allocator may take most of it (set before JAX starts)
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
@@ -180,7 +171,7 @@ def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
     named, name = named_configs(), args.model.lower()
     if name in named:
         cfg = shrink(named[name], args.layers, args.vocab, args.hidden, args.intermediate)
-        return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed)), (
+        return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), (
             f"{name} (random weights, {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp {cfg.intermediate_size}, "
             f"vocab {cfg.vocab_size})")
     if any(getattr(args, n) is not None for n in ("layers", "vocab", "hidden", "intermediate")):
@@ -189,10 +180,16 @@ def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
     return vj.Qwen3.from_pretrained(args.model, dtype=dtype), args.model
 
 
-def label(r: dict | EvictionConfig) -> str:
-    """A row's or a configuration's method label: "full", "vase_dkv@2048"."""
-    return method_label(r.method, r.evicts and r.budget) if isinstance(r, EvictionConfig) else method_label(
-        r["method"], r["budget"])
+def row(ev: EvictionConfig, n: int, kv_bits: str = BF16, protected: int | None = None) -> dict:
+    """What names a decode-mode row: method, budget, buffer, output length, cache setting and its 16-bit slots P."""
+    return {"method": ev.method, "budget": ev.budget if ev.evicts else None, "buffer": ev.buffer if ev.evicts
+            else None, "output_len": n, "kv_bits": kv_bits, "protected": protected}
+
+
+def label(r: dict) -> str:
+    """A row's label: "full", "vase_dkv@2048", on a mixed-precision cache "full K4V4 P=544"."""
+    setting = "" if r.get("kv_bits", BF16) == BF16 else f" {r['kv_bits']} P={r['protected']}"
+    return method_label(r["method"], r["budget"]) + setting
 
 
 # ---- measurements ------------------------------------------------------------------------------------------
@@ -200,26 +197,32 @@ class Bench:
     """What every measurement shares: the arguments, the model split for jit, the prompt, memoized figures."""
 
     def __init__(self, args: argparse.Namespace, model: vj.Qwen3):
-        self.args, self.model, a = args, model, args
+        self.args, self.model = args, model
         self.graphdef, self.state = nnx.split(model)
         self.step_ms, self.evict_ms = functools.cache(self._step_ms), functools.cache(self._evict_ms)  # once each
         self.target = generate_target(model, self.generate_config(1))  # as generate picks it
         # [batch, bucket] int32: the prompt left-padded as generate pads it (the prefill's input); `raw`: the
-        # unpadded prompt generate gets (its padding sets the cache's capacity). aime25 draws its own prompts.
-        self.ids, self.mask = ds.random_prompt(model.cfg.vocab_size, a.batch or 1, a.prompt_len,
-                                               self.generate_config(2), a.seed)
-        self.raw = (self.ids[:, -a.prompt_len:], self.mask[:, -a.prompt_len:])
-        self.key, self.itemsize = jax.random.key(a.seed), jnp.dtype(model.dtype).itemsize
+        # unpadded prompt generate gets (its padding sets the cache's capacity)
+        self.ids, self.mask = ds.random_prompt(model.cfg.vocab_size, args.batch or 1, args.prompt_len,
+                                               self.generate_config(2))
+        self.raw = (self.ids[:, -args.prompt_len:], self.mask[:, -args.prompt_len:])
+        self.key, self.itemsize = jax.random.key(0), jnp.dtype(model.dtype).itemsize
         self.batch, self.bucket = self.ids.shape
 
-    def generate_config(self, n: int, kv_bits: str = "K16V16") -> vj.GenerateConfig:
-        """The runs' settings for `n` new tokens, the cache at `kv_bits` (a `KVBits` name)."""
+    def generate_config(self, n: int, kv_bits: str = BF16, protected: int | None = None) -> vj.GenerateConfig:
+        """The runs' settings for `n` new tokens, the cache at `kv_bits` (a `KVBits` name) with `protected` 16-bit
+        slots (None: the default)."""
         a, kv = self.args, KVBits.parse(kv_bits)
         return vj.GenerateConfig(max_new_tokens=n, temperature=0.0, eos_token_ids=(), pad_token_id=0,
-                                 layer_loop=a.layer_loop, attention_impl=a.attention_impl,
                                  prefill_chunk=a.prefill_chunk or None, batch_invariant=not a.no_batch_invariant,
                                  key_bits=kv.key_bits, value_bits=kv.value_bits, kv_group=kv.key_group,
-                                 kv_refine=kv.refine)
+                                 kv_refine=kv.refine, kv_protected=protected)
+
+    def capacity(self, ev: EvictionConfig, config: vj.GenerateConfig):
+        """The cache `generate` allocates for `config`: its slots, or a mixed-precision cache's tier layout."""
+        if config.kv_bits.quantizes:
+            return generate_tiers(self.model.cfg, config, ev, self.bucket)
+        return framework.capacity_for(ev, self.bucket, config.max_new_tokens)
 
     def program(self, config: vj.GenerateConfig, ev: EvictionConfig) -> tuple[functools.partial, dict]:
         """`generate` compiled as it compiles itself, called on the unpadded prompt: (the call, {compile_s (lowering
@@ -236,62 +239,62 @@ class Bench:
                                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
         return functools.partial(compiled, self.state, *self.raw, self.key), info
 
-    def prefill(self, capacity, ev: EvictionConfig) -> functools.partial:
-        """A jitted copy of generate's prefill (prompt forward, a cache of `capacity`: slots or a tier layout)."""
-        return functools.partial(ds.prefill, self.graphdef, self.state, self.ids, self.mask, capacity,
-                                 query_window(ev), self.args.attention_impl, framework.slot_state(ev), self.target,
-                                 self.args.prefill_chunk or None)
+    @functools.cached_property
+    def bandwidth(self) -> dict[str, float]:
+        """The device's read and copy bandwidth (`timing.bandwidth` over --bandwidth-mib), measured once, at the
+        first `micro`: after the first `generate` run, whose device peak its array thus leaves alone."""
+        return bandwidth(self.args.bandwidth_mib << 20, self.args.repeats)
 
-    def _step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> Stat:
+    def _step_ms(self, capacity: int, window: int, length: int, state: tuple = ()) -> dict:
         """Per-step milliseconds of `decode_steps` from `length` live slots (`step_ms`: memoized); `state`: the
         policy's per-slot state arrays (their update is part of the step)."""
         a = self.args
-        cache = ds.filled_cache(self.model.cfg, self.batch, capacity, length, window, self.model.dtype, a.seed, state,
-                                self.target)
-        return ds.step_ms(self.graphdef, self.state, cache, jnp.int32(length), a.micro_steps, a.repeats,
-                          a.attention_impl, self.target)
+        cache = ds.filled_cache(self.model.cfg, self.batch, capacity, length, window, self.model.dtype, state=state,
+                                target=self.target)
+        return ds.step_ms(self.graphdef, self.state, cache, jnp.int32(length), a.micro_steps, a.repeats, "auto",
+                          self.target).as_dict()
 
-    def _evict_ms(self, ev: EvictionConfig, capacity: int) -> Stat:
+    def _evict_ms(self, ev: EvictionConfig, capacity: int) -> dict:
         """Milliseconds of one eviction event on a full cache (`evict_ms`: memoized)."""
         a = self.args
         cache = ds.filled_cache(self.model.cfg, self.batch, capacity, ev.budget + ev.buffer, query_window(ev),
-                                self.model.dtype, a.seed, framework.slot_state(ev), self.target)
-        return ds.evict_ms(cache, ev, max(a.repeats, 5), a.attention_impl, a.seed)
+                                self.model.dtype, state=framework.slot_state(ev), target=self.target)
+        return ds.evict_ms(cache, ev, max(a.repeats, 5)).as_dict()
 
     def micro(self, ev: EvictionConfig, n: int) -> dict:
-        """The figures of one (method, budget, output length) that time pieces of `generate` alone: a decode step on
-        a cache filled to the run's last length (and its first, `step_ms_start`, but with --micro), one eviction
-        event, tokens/s of those steps (the end's with the eviction amortized over B steps) and the bytes a step
-        reads (`decode_step.roofline` of the run's replayed schedule); --micro --kv-bits: `full`'s tiered steps."""
-        b, a = self.batch, self.args
+        """The figures of one (method, budget, output length) that time pieces of `generate` alone on the 16-bit
+        cache: a decode step on a cache filled to the run's last length, one eviction event, tokens/s of those steps
+        (the eviction amortized over B steps); the bytes a step reads (`decode_step.roofline` of the replayed run)
+        and the tokens/s they allow at the read bandwidth, over the run (batch * bw / mean bytes) and at its end (the
+        eviction amortized); with --kv-bits, `full`'s step on each mixed-precision cache (`tiered_step`)."""
+        b, a, read_bw = self.batch, self.args, self.bandwidth["read"]
         capacity, window, state = framework.capacity_for(ev, self.bucket, n), query_window(ev), framework.slot_state(ev)
         reads, after, triggers = ds.row_replay(ev, a.prompt_len, n - 1)
         live = max(1, min(int(reads[-1]) - 1, capacity - a.micro_steps))  # a call appends --micro-steps slots
-        end = self.step_ms(capacity, window, live, state)
+        step = self.step_ms(capacity, window, live, state)
         evict = self.evict_ms(ev, capacity) if ev.evicts else None
-        evict_ms = evict.median if evict else 0.0
-        r = {"method": ev.method, "budget": ev.budget if ev.evicts else None, "buffer": ev.buffer if ev.evicts
-             else None, "output_len": n, "capacity": capacity, "live_slots_end": live, "step_ms_end": end.as_dict(),
-             "evict_ms": evict and evict.as_dict(), "tok_s_end": b / (end.median + evict_ms / ev.buffer) * 1e3,
-             "eviction_share": evict_ms / (ev.buffer * end.median) if evict else None,
-             "evictions_expected": len(triggers), "cache_length_expected": int(after[-1]),
-             "roofline": ds.roofline(self.model, ev, reads, len(triggers), b, self.itemsize)}  # + `add_bounds`
-        if not a.micro:
-            start = self.step_ms(capacity, window, max(1, min(a.prompt_len, capacity - a.micro_steps)), state)
-            r |= {"step_ms_start": start.as_dict(), "tok_s_start": b / start.median * 1e3}
-        elif kv := [self.tiered_step(name, n, live, end.median) for name in a.kv_bits or ()
-                    if not ev.evicts and KVBits.parse(name).quantizes]:
-            r["kv"] = kv
-        return r
+        evict_ms = evict["median"] if evict else 0.0
+        tok_s_end, roof = b / (step["median"] + evict_ms / ev.buffer) * 1e3, ds.roofline(
+            self.model, ev, reads, len(triggers), b, self.itemsize)
+        roof["bound_tok_s"] = b * read_bw / roof["bytes_step_mean"]
+        roof["bound_tok_s_end"] = b * read_bw / (roof["bytes_step_end"] + roof["bytes_per_eviction"] / ev.buffer)
+        roof["achieved_over_bound_end"] = tok_s_end / roof["bound_tok_s_end"]
+        r = row(ev, n) | {
+            "capacity": capacity, "live_slots_end": live, "step_ms_end": step, "evict_ms": evict,
+            "tok_s_end": tok_s_end, "eviction_share": evict_ms / (ev.buffer * step["median"]) if evict else None,
+            "evictions_expected": len(triggers), "cache_length_expected": int(after[-1]), "roofline": roof}
+        kv = [self.tiered_step(ev, name, n, live, step["median"]) for name in a.kv_bits or ()
+              if not ev.evicts and KVBits.parse(name).quantizes]
+        return r | ({"kv": kv} if kv else {})
 
-    def tiered_step(self, name: str, n: int, live: int, bf16_step_ms: float) -> dict:
+    def tiered_step(self, ev: EvictionConfig, name: str, n: int, live: int, bf16_step_ms: float) -> dict:
         """`full`'s decode step from `live` tokens on a mixed-precision cache of setting `name` (its default
         protection) against the 16-bit cache's; the bytes it reads: weights, 16-bit slots, quantized ones."""
         cfg, config = self.model.cfg, self.generate_config(n, name)
-        layout = generate_tiers(cfg, config, EvictionConfig("full", buffer=self.args.buffer), self.bucket)
+        layout = self.capacity(ev, config)
         cache = ds.filled_tiered_cache(cfg, self.batch, layout, live, 0, self.model.dtype, target=self.target)
-        ms = ds.step_ms(self.graphdef, self.state, cache, None, self.args.micro_steps, self.args.repeats,
-                        self.args.attention_impl, self.target).median
+        ms = ds.step_ms(self.graphdef, self.state, cache, None, self.args.micro_steps, self.args.repeats, "auto",
+                        self.target).median
         n16, per_slot = min(live, layout.protected + layout.buffer), ds.slot_bytes(cfg, self.batch, self.itemsize)
         quantized = per_slot * token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), self.itemsize) / (
             token_bytes(cfg.head_dim, KVBits(), self.itemsize))
@@ -299,259 +302,167 @@ class Bench:
                 "x_bf16_step": ms / bf16_step_ms, "tok_s": self.batch / ms * 1e3, "bytes_per_step":
                 ds.weight_bytes_per_step(self.model) + n16 * per_slot + (live - n16) * quantized}
 
-    def run(self, ev: EvictionConfig, n: int) -> dict:
-        """Every figure of one (method, budget, output length): `generate` compiled and timed, its prefill timed
-        alone, and `micro`'s."""
-        call, info = self.program(self.generate_config(n), ev)
-        last = [None]  # the last call's output
-
-        def timed():
-            last[0] = call()
-            return last[0]
-
-        total, out = time_runs(timed, self.args.repeats, self.args.warmup), last[0]
-        prefill = self.prefill(framework.capacity_for(ev, self.bucket, n), ev)
-        prefill_s = time_runs(prefill, self.args.repeats, 1)
-        tok_s = decode_rate(total, prefill_s, self.batch * (n - 1))
-        r, decode_s = self.micro(ev, n), total.median - prefill_s.median
-        r |= {"evictions": int(out.evictions), "cache_length_end": int(out.cache_length.max()), **info,
-              "total_s": total.as_dict(), "prefill_s": prefill_s.as_dict(), "decode_tok_s": tok_s and tok_s.as_dict(),
-              "evict_overhead": None if decode_s <= 0 else
-              r["evictions_expected"] * (r["evict_ms"] or {"median": 0.0})["median"] / 1e3 / decode_s,
-              "cache_bytes": cache_bytes(prefill()[1]),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "device_peak_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")}
-        if tok_s is None:
-            print(f"bench.py: warning: {label(r)} n={n}: a run took no longer than the prefill, so no decode "
-                  "tokens/s (use longer --output-lens)", file=sys.stderr)
-        return r
-
-
-def segments(runs: list[dict], batch: int) -> dict[str, list[dict]]:
-    """Marginal decode tokens/s between consecutive output lengths, per (method, budget): batch * delta(length)
-    / delta(median total seconds); the first segment is the shortest run's decode tokens/s."""
-    out: dict[str, list[dict]] = {}
-    for r in sorted(runs, key=lambda r: r["output_len"]):
-        out.setdefault(label(r), []).append(r)
-    return {name: [{"from": 1, "to": rs[0]["output_len"], "tok_s": (rs[0]["decode_tok_s"] or {}).get("median")}] + [
-        {"from": a["output_len"], "to": c["output_len"], "tok_s": batch * (c["output_len"] - a["output_len"]) / dt
-         if (dt := c["total_s"]["median"] - a["total_s"]["median"]) > 0 else None} for a, c in itertools.pairwise(rs)]
-        for name, rs in out.items()}
-
-
-def add_bounds(runs: list[dict], batch: int, read_bw: float) -> None:
-    """The roofline's tokens/s bounds at read bandwidth `read_bw`: over the run (batch * bw / mean bytes of a step)
-    and at its end state (the last step's bytes, the eviction's amortized over B), and the measured tokens/s over
-    each."""
-    for r in runs:
-        roof, tok_s = r["roofline"], (r.get("decode_tok_s") or {}).get("median")
-        roof["bound_tok_s"] = batch * read_bw / roof["bytes_step_mean"]
-        roof["bound_tok_s_end"] = batch * read_bw / (roof["bytes_step_end"] + roof["bytes_per_eviction"] / (
-            r["buffer"] or 1))
-        roof["achieved_over_bound_end"] = r["tok_s_end"] / roof["bound_tok_s_end"]
-        roof["achieved_over_bound"] = tok_s and tok_s / roof["bound_tok_s"]
+    def run(self, ev: EvictionConfig, n: int) -> list[dict]:
+        """Every figure of one (method, budget, output length), a row per cache setting: the 16-bit cache, then each
+        of --kv-bits at its default 16-bit slots P and, where that protects slots, at P = 0. `generate` compiled,
+        and its prefill alone, timed in --repeats rounds that take the settings in turn (drift hits each alike);
+        the 16-bit row with `micro`'s figures; each row's bytes and decode tokens/s against the 16-bit cache's,
+        and the share of its tokens equal to the 16-bit cache's."""
+        cfg, rows, calls, settings = self.model.cfg, [], [], []
+        for name in self.args.kv_bits or [BF16]:
+            config = self.generate_config(n, name)
+            default = self.capacity(ev, config).protected if config.kv_bits.quantizes else None
+            settings += [(name, default)] + ([(name, 0)] if default else [])
+        for name, protected in settings:
+            config = self.generate_config(n, name, protected)
+            call, info = self.program(config, ev)
+            prefill = functools.partial(ds.prefill, self.graphdef, self.state, self.ids, self.mask,  # generate's own
+                                        self.capacity(ev, config), query_window(ev), "auto", framework.slot_state(ev),
+                                        self.target, self.args.prefill_chunk or None)
+            rows.append(row(ev, n, name, protected) | info | {
+                "cache_bytes": cache_bytes(jax.block_until_ready(prefill())[1]),  # and the prefill compiled
+                "token_bytes": token_bytes(cfg.head_dim, config.kv_bits_for(cfg.head_dim), self.itemsize)})
+            calls += [call, lambda prefill=prefill: prefill()[0]]  # its token: no cache held between calls
+        stats, outputs = time_turns(calls, self.args.repeats, self.args.warmup)
+        totals, prefills, outputs = stats[::2], stats[1::2], outputs[::2]
+        rates = [decode_rate(t, p, self.batch * (n - 1)) for t, p in zip(totals, prefills, strict=True)]
+        for r, total, prefill_s, rate, out in zip(rows, totals, prefills, rates, outputs, strict=True):
+            r |= {"total_s": total.as_dict(), "prefill_s": prefill_s.as_dict(), "decode_tok_s": rate and rate.as_dict(),
+                  "evictions": int(out.evictions), "cache_length_end": int(out.cache_length.max()),
+                  "tokens_agree_with_bf16": float((np.asarray(out.tokens) == np.asarray(outputs[0].tokens)).mean()),
+                  "x_bf16_cache": r["cache_bytes"] / rows[0]["cache_bytes"],
+                  "x_bf16_decode": rate and rates[0] and rate.median / rates[0].median,
+                  "device_peak_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")}
+        bf16, decode_s = rows[0] | self.micro(ev, n), rates[0] and self.batch * (n - 1) / rates[0].median
+        evict_s = bf16["evictions_expected"] * (bf16["evict_ms"] or {"median": 0.0})["median"] / 1e3
+        bf16["evict_overhead"] = decode_s and evict_s / decode_s  # of the decode time: events x an event's seconds
+        bf16["roofline"]["achieved_over_bound"] = rates[0] and rates[0].median / bf16["roofline"]["bound_tok_s"]
+        return [bf16, *rows[1:]]
 
 
 # ---- the modes: each writes results.json and results.md under --out -----------------------------------------
 def col(key: str, spec: str = ".1f", scale: float = 1.0, suffix: str = "") -> Callable[[dict], object]:
     """A table column: a row's figure at `key` ("a.b": nested) as "median [min-max]" for a `Stat` dict, `num` for a
-    number or None (times `scale`, in `spec`, then `suffix`), as it is otherwise."""
+    number or None (times `scale`, in `spec`, then `suffix`; a figure the row lacks: "-"), as it is otherwise."""
     def cell(r: dict) -> object:
-        v = functools.reduce(lambda d, k: d[k], key.split("."), r)
+        v = functools.reduce(lambda d, k: (d or {}).get(k), key.split("."), r)
         return (spread(v, scale, spec) if isinstance(v, dict) else num(v, spec, scale, suffix)
                 if v is None or isinstance(v, int | float) else v)
 
     return cell
 
 
-COLUMNS = {  # the decode mode's table; --micro's has MICRO_COLUMNS
+COLUMNS = {  # the decode mode's table; `columns` picks them per mode
     "method": label, "out len": col("output_len", ".0f"), "live slots": col("live_slots_end", ".0f"),
-    "decode tok/s med [min-max]": col("decode_tok_s"), "tok/s start": col("tok_s_start"), "tok/s end": col("tok_s_end"),
-    "step ms start": col("step_ms_start", ".2f"), "step ms end": col("step_ms_end", ".2f"),
-    "prefill ms": col("prefill_s", ".1f", 1e3), "compile s": col("compile_s"), "evict ms/event": col("evict_ms", ".2f"),
-    "event / (B steps)": col("eviction_share", ".1f", 100, "%"), "events": col("evictions", ".0f"),
-    "evict overhead": col("evict_overhead", ".1f", 100, "%"), "cache MiB": col("cache_bytes", ".1f", 2**-20),
-    "program MiB": col("program_bytes", ".0f", 2**-20), "bound tok/s": col("roofline.bound_tok_s"),
-    "achieved/bound": col("roofline.achieved_over_bound", ".2f"),
+    "decode tok/s med [min-max]": col("decode_tok_s"), "tok/s end": col("tok_s_end"),
+    "step ms end": col("step_ms_end", ".2f"), "prefill ms": col("prefill_s", ".1f", 1e3), "compile s": col("compile_s"),
+    "evict ms/event": col("evict_ms", ".2f"), "event / (B steps)": col("eviction_share", ".1f", 100, "%"),
+    "events": col("evictions", ".0f"), "evict overhead": col("evict_overhead", ".1f", 100, "%"),
+    "cache MiB": col("cache_bytes", ".2f", 2**-20), "program MiB": col("program_bytes", ".1f", 2**-20),
+    "bound tok/s": col("roofline.bound_tok_s"), "achieved/bound": col("roofline.achieved_over_bound", ".2f"),
     "bound tok/s end": col("roofline.bound_tok_s_end", ".0f"),
-    "achieved/bound end": col("roofline.achieved_over_bound_end", ".2f")}
+    "achieved/bound end": col("roofline.achieved_over_bound_end", ".2f"),
+    "bytes/token (K+V, one kv head)": col("token_bytes", ".0f"), "cache x bf16": col("x_bf16_cache", ".3f"),
+    "decode x bf16": col("x_bf16_decode", ".2f", suffix="x"),
+    "tokens = bf16": col("tokens_agree_with_bf16", ".0f", 100, "%")}
 MICRO_COLUMNS = ("method", "out len", "live slots", "step ms end", "evict ms/event", "event / (B steps)",
                  "tok/s end", "bound tok/s end", "achieved/bound end")
-KV_STEP_COLUMNS = {"cache": col("kv_bits"), "16-bit slots P": col("protected", ".0f"),
-                   "quantized slots": col("quantized_slots", ".0f"), "step ms": col("step_ms", ".2f"),
-                   "x bf16 step": col("x_bf16_step", ".2f"), "MB/step": col("bytes_per_step", ".1f", 1e-6)}
-KV_COLUMNS = {
-    "method": label, "cache": col("kv_bits"), "16-bit slots P": col("protected", ".0f"),
-    "bytes/token (K+V, one kv head)": col("token_bytes", ".0f"), "cache MiB": col("cache_bytes", ".2f", 2**-20),
-    "x bf16": col("x_bf16_cache", ".3f"), "program MiB": col("program_bytes", ".1f", 2**-20),
-    "decode tok/s": col("decode_tok_s"), "decode x bf16": col("x_bf16_decode", ".2f", suffix="x"),
-    "tokens = bf16": col("tokens_agree_with_bf16", ".0f", 100, "%")}
+KV_COLUMNS = ("bytes/token (K+V, one kv head)", "cache x bf16", "decode x bf16", "tokens = bf16")
 AIME25_COLUMNS = {
     "method": col("label"), "rows": col("rows", ".0f"), "step ms": col("protocol.step_ms", ".2f"),
     "window tok/s": col("window_tok_s", ".0f"),
     "check s (predicted)": lambda r: f"{r['check']['seconds']:.2f} ({r['check']['predicted_s']:.2f})",
     "steps": col("protocol.steps", ".0f"), "utilization": col("protocol.utilization", ".2f"),
     "tok/s": col("protocol.tok_s", ".0f"), "projected wall": col("protocol.seconds", ".1f", 1 / 60, " min"),
-    "peak GiB": col("peak_bytes", ".2f", 2**-30),
-    "planned GiB": lambda r: num((r.get("plan") or {}).get("total"), ".2f", 2**-30), "rows because": col("rows_reason")}
+    "peak GiB": col("peak_bytes", ".2f", 2**-30), "planned GiB": col("plan.total", ".2f", 2**-30),
+    "rows because": col("rows_reason")}
 
 
-def header(meta: dict, model_desc: str, extra: str = "") -> str:
-    """The line every mode's table starts with: the command, the machine and the load, the model."""
-    return (f"Command: `{meta['command']}`\n\nMachine: {meta['device']}, {meta['cpu_model']}, "
-            f"{meta['cpu_count']} CPUs, jax {meta['jax']}; load average (1, 5, 15 min) at start "
-            f"{meta['load_start']}, at end {meta['load_end']}"
-            + (f" (**{meta['load_warning']}**)" if meta["load_warning"] else "") + f". Model: {model_desc}. {extra}")
+def columns(meta: dict) -> dict[str, Callable[[dict], object]]:
+    """The decode mode's columns: --micro's; else all but the mixed-precision ones, which come with --kv-bits."""
+    names = MICRO_COLUMNS if meta["micro"] else [c for c in COLUMNS if meta["kv_bits"] or c not in KV_COLUMNS]
+    return {name: COLUMNS[name] for name in names}
 
 
 def decode_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
-    """The default mode: `Bench.run` per method, budget and output length, the bandwidth roofline and the segments.
-    --micro: `Bench.micro` alone, the longest output length first, the results written after every row, rows
-    past --deadline skipped."""
+    """The default mode: `Bench.run` per method, budget and output length. --micro: `Bench.micro` alone, the
+    longest output length first, the results written after every row, rows past --deadline skipped."""
     model, micro = bench.model, args.micro
-    print(f"model {model_desc}: {ds.param_bytes(model) / 2**20:.0f} MiB of weights", flush=True)
-    meta = {k: getattr(args, k) for k in ("command", "batch", "prompt_len", "repeats", "warmup", "micro_steps",
-                                          "attention_impl")} | {
-        "model": model_desc, "config": dataclasses.asdict(model.cfg), "dtype": jnp.dtype(model.dtype).name,
-        "param_bytes": ds.param_bytes(model), "prompt_bucket": bench.bucket, "layer_loop": bench.target.layer_loop,
-        "prefill_chunk": args.prefill_chunk or None, "batch_invariant": not args.no_batch_invariant}
+    meta = vars(args) | {"model": model_desc, "config": dataclasses.asdict(model.cfg), "prompt_bucket": bench.bucket,
+                         "dtype": jnp.dtype(model.dtype).name, "param_bytes": ds.param_bytes(model),
+                         "layer_loop": bench.target.layer_loop}
     result: dict = {"meta": meta, "runs": []}
 
     def write() -> str:
-        add_bounds([r for r in result["runs"] if "skipped" not in r], bench.batch, result["bandwidth"]["read"])
-        result["meta"] = meta | machine(load_start)
+        result.update(meta=meta | machine(load_start), bandwidth=bench.bandwidth)
         write_results(args.out, result, text := decode_markdown(result, model_desc))
         return text
 
-    if micro:  # else last, so that its arrays are not in the runs' peak RSS
-        result["bandwidth"] = bandwidth(args.bandwidth_mib << 20, args.repeats)
     for n, ev in ([(n, ev) for n in args.output_lens[::-1] for ev in configs] if micro else
                   [(n, ev) for ev in configs for n in args.output_lens]):
         if micro and args.deadline is not None and time.time() > args.deadline:
-            result["runs"].append({"method": ev.method, "budget": ev.budget if ev.evicts else None,
-                                   "output_len": n, "skipped": "deadline"})
+            result["runs"].append(row(ev, n) | {"skipped": "deadline"})
             continue
-        result["runs"].append(r := bench.micro(ev, n) if micro else bench.run(ev, n))
+        rows = [bench.micro(ev, n)] if micro else bench.run(ev, n)
+        result["runs"] += rows
         release_programs_near_mapping_limit()  # XLA:CPU crashes at the process's mapping limit
-        print(f"{label(r):>20} n={n:<6} step {spread(r['step_ms_end'], spec='.2f')} ms, tok/s end "
-              f"{r['tok_s_end']:.1f}" + ("" if micro else f", decode {spread(r['decode_tok_s'])} tok/s"), flush=True)
+        print("\n".join(table(rows, columns(meta))[2:]), flush=True)  # the table's rows
         if micro:
             write()
-    if not micro:
-        result["bandwidth"] = bandwidth(args.bandwidth_mib << 20, args.repeats)
-        result["segments"] = segments(result["runs"], bench.batch)
     print(write())
     return 0
 
 
 def decode_markdown(result: dict, model_desc: str) -> str:
-    """The decode mode's table (--micro: the micro figures, the rows skipped, and each full row's mixed-precision
-    steps; else every figure and the segments)."""
-    m, bw, runs = result["meta"], result["bandwidth"], [r for r in result["runs"] if "skipped" not in r]
-    text = [header(m, model_desc, f"{m['dtype']}, {m['param_bytes'] / 2**20:.0f} MiB of weights; batch {m['batch']}, "
-                   f"prompt {m['prompt_len']} (bucket {m['prompt_bucket']}); {m['repeats']} timed runs; layer loop "
-                   f"{m['layer_loop']}. Read bandwidth {bw['read'] / 1e9:.1f} GB/s, in-place copy "
-                   f"{bw['copy'] / 1e9:.1f} GB/s."), ""]
-    if "segments" in result:
-        text += table(runs, COLUMNS) + ["", "Marginal decode tokens/s per output-length segment:", ""] + [
-            f"- {name}: " + ", ".join(f"{s['from']}-{s['to']}: {num(s['tok_s'])}" for s in segs)
-            for name, segs in result["segments"].items()]
-        return "\n".join(text) + "\n"
-    text += table(runs, {name: COLUMNS[name] for name in MICRO_COLUMNS})
+    """The decode mode's table (`columns`), the rows skipped and `full`'s steps on the mixed-precision caches
+    (--kv-bits)."""
+    m, bw = result["meta"], result["bandwidth"]
+    runs = [r for r in result["runs"] if "skipped" not in r]
+    text = [f"Command: `{m['command']}`", "",
+            f"Machine: {m['device']}, {m['cpu_model']}, {m['cpu_count']} CPUs, jax {m['jax']}; load average (1, 5, "
+            f"15 min) at start {m['load_start']}, at end {m['load_end']}"
+            + (f" (**{m['load_warning']}**)" if m["load_warning"] else "")
+            + f". Model: {model_desc}, {m['dtype']}, {m['param_bytes'] / 2**20:.0f} MiB of weights; batch "
+            f"{m['batch']}, prompt {m['prompt_len']} (bucket {m['prompt_bucket']}); {m['repeats']} timed runs "
+            f"(settings in turns); layer loop {m['layer_loop']}. Read bandwidth {bw['read'] / 1e9:.1f} GB/s, "
+            f"in-place copy {bw['copy'] / 1e9:.1f} GB/s.", "", *table(runs, columns(m))]
     text += [f"- {label(r)} n={r['output_len']}: skipped ({r['skipped']})" for r in result["runs"] if "skipped" in r]
-    for r in (r for r in runs if r.get("kv")):
-        text += ["", f"{label(r)} at {r['output_len']} tokens, mixed-precision caches ({r['live_slots_end']} live "
-                 f"slots; the 16-bit cache's step {r['step_ms_end']['median']:.2f} ms):", ""]
-        text += table(r["kv"], KV_STEP_COLUMNS)
+    steps = [(r, kv) for r in runs for kv in r.get("kv", [])]
+    text += [""] * bool(steps) + [
+        f"- {label(r)} at {r['output_len']} tokens on {kv['kv_bits']} (P = {kv['protected']}, {kv['quantized_slots']} "
+        f"of {r['live_slots_end']} live slots quantized): step {kv['step_ms']:.2f} ms, {kv['x_bf16_step']:.2f}x the "
+        f"16-bit cache's, {kv['bytes_per_step'] / 1e6:.1f} MB read" for r, kv in steps]
     return "\n".join(text) + "\n"
 
 
 def aime25_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
     """--workload aime25: `workload.aime25_workload`, writing results.json / results.md after each method."""
-    meta = {"command": args.command, "model_desc": model_desc, "mem_fraction":
-            os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-            "allocator_limit_bytes": (jax.devices()[0].memory_stats() or {}).get("bytes_limit")}
-
     def write(so_far: dict) -> str:
-        """The results so far: a table row per method measured (a method without rows says why), the fits."""
-        m = so_far["meta"] | meta | machine(load_start)
+        """The results so far: a table row per method measured (a method without rows says why), the projection."""
+        m = so_far["meta"] | {"command": args.command, "model_desc": model_desc} | machine(load_start)
         ln, done = m["lengths"], [r for r in so_far["methods"] if r["rows"]]
         text = "\n".join([
-            f"AIME25 protocol's shape: {m['model_desc']}, {m['dtype']}, {m['samples']} samples, prompts of "
+            f"AIME25 protocol's shape: {model_desc}, {m['dtype']}, {m['samples']} samples, prompts of "
             f"{m['prompt_len']} tokens, at most {m['total_tokens']} tokens per sample; output lengths log-normal "
             f"(median {m['median']}, sigma {m['sigma']}, seed {ln['seed']}; mean {ln['mean']:.0f}, max {ln['max']}, "
             f"{ln['at_cap']} at the cap, {ln['tokens']} tokens); device {m['device']}; {m['seconds_per_method']:.0f} "
             "s measured per method.", "", *table(done, AIME25_COLUMNS),
             *[f"- {r['label']}: no rows ({r['rows_reason']})" for r in so_far["methods"] if not r["rows"]], "",
-            f"Projection: {m['formula']}; slot_reads counted as {m['attention_reads']!r}. Fitted seconds per method "
-            "(round_s, step_s, slot_s, event_s):", "",
-            *[f"- {r['label']}: " + ", ".join(f"{k} {v:.3g}" for k, v in r["model"].items() if k != "reads")
-              + f"; compile {r['compile_s']:.1f} s, plan {r['plan_s']:.1f} s; {len(r['windows'])} windows up to "
-              f"{r['windows'][-1]['length']} tokens; schedules match the engine: {r['schedules_match_engine']}"
-              for r in done]]) + "\n"
+            f"Projection: {m['formula']}; slot_reads counted as {m['attention_reads']!r}. The fitted seconds, the "
+            "windows, the compile and plan times: results.json."]) + "\n"
         write_results(args.out, {"meta": m, "methods": so_far["methods"]}, text)
         return text
 
     try:
         out = wl.aime25_workload(
-            bench.model, configs, shape=AIME25_SCALES[args.scale][0] | {"samples": args.samples,
-                                                                        "prompt_len": args.prompt_len},
-            seconds_per_method=args.seconds, batch=args.batch, seed=args.seed, headroom=args.headroom,
-            device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9), queue=args.queue,
-            attention_impl=args.attention_impl, layer_loop=args.layer_loop, deadline=args.deadline, on_method=write,
-            log=lambda m: print(m, flush=True))
+            bench.model, configs, shape=AIME25_SCALES[args.scale][0] | {"prompt_len": args.prompt_len},
+            seconds_per_method=args.seconds, batch=args.batch,
+            device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9), deadline=args.deadline,
+            on_method=write, log=lambda m: print(m, flush=True))
     except ValueError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
     print(write(out))
-    return 0
-
-
-def kv_report(args, bench: Bench, model_desc: str, configs: list[EvictionConfig], load_start) -> int:
-    """--kv-bits, per method and budget at the first --output-lens, a row per setting (its default protection, and
-    P = 0 where that protects slots): bytes of a cached token, of the cache and of the program's peak, decode
-    tokens/s as `decode_tok_s` (the settings' runs interleaved, `--repeats` rounds: drift hits every setting alike)
-    and the share of tokens equal to bf16's."""
-    rows, n, cfg = [], args.output_lens[0], bench.model.cfg
-    for ev in configs:
-        entries = []
-        for name in args.kv_bits:
-            config, quantized = bench.generate_config(n, name), KVBits.parse(name).quantizes
-            protected = generate_tiers(cfg, config, ev, bench.bucket).protected if quantized else None
-            variants = [(protected, config)] + ([(0, dataclasses.replace(config, kv_protected=0))] if protected else [])
-            for p, c in variants:
-                call, info = bench.program(c, ev)
-                capacity = generate_tiers(cfg, c, ev, bench.bucket) if quantized else framework.capacity_for(
-                    ev, bench.bucket, n)
-                prefill = bench.prefill(capacity, ev)
-                jax.block_until_ready((call(), prefill()))  # warm-up
-                entries.append(dict(call=call, prefill=prefill, totals=[], prefills=[], row={
-                    "method": ev.method, "budget": ev.budget if ev.evicts else None, "kv_bits": name, "protected": p,
-                    "output_len": n, "slots": getattr(capacity, "virtual_slots", capacity), **info,
-                    "token_bytes": token_bytes(cfg.head_dim, c.kv_bits_for(cfg.head_dim), bench.itemsize),
-                    "cache_bytes": cache_bytes(jax.eval_shape(prefill)[1])}))
-        for _ in range(args.repeats):
-            for e in entries:
-                e["totals"].append(time_runs(e["call"], 1).median)
-                e["prefills"].append(time_runs(e["prefill"], 1).median)
-        tokens = [np.asarray(e["call"]().tokens) for e in entries]
-        for e, t in zip(entries, tokens, strict=True):
-            rate = decode_rate(Stat.of(e["totals"]), Stat.of(e["prefills"]), bench.batch * (n - 1))
-            e["row"] |= {"total_s": float(np.median(e["totals"])), "prefill_s": float(np.median(e["prefills"])),
-                         "decode_tok_s": None if rate is None else rate.median,
-                         "tokens_agree_with_bf16": float((t == tokens[0]).mean())}
-        for r, bf16 in ((e["row"], entries[0]["row"]) for e in entries):
-            rows.append(r | {"x_bf16_cache": r["cache_bytes"] / bf16["cache_bytes"], "x_bf16_decode": r["decode_tok_s"]
-                             / bf16["decode_tok_s"] if r["decode_tok_s"] and bf16["decode_tok_s"] else None})
-        release_programs_near_mapping_limit()
-    m = machine(load_start) | {"command": args.command, "model": model_desc, "dtype": jnp.dtype(bench.model.dtype).name,
-                               "batch": args.batch, "prompt_len": args.prompt_len, "output_len": n,
-                               "repeats": args.repeats, "attention_impl": args.attention_impl}
-    text = "\n".join([f"# Mixed-precision KV cache: {model_desc}, {m['dtype']}", "", header(
-        m, model_desc, f"Batch {args.batch}, prompt {args.prompt_len}, {n} new tokens (greedy), {args.repeats} "
-        "interleaved runs per setting (medians)."), "", *table(rows, KV_COLUMNS)]) + "\n"
-    print(text)
-    write_results(args.out, {"meta": m, "kv": rows}, text)
     return 0
 
 
@@ -569,13 +480,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
     if not args.no_compile_cache:  # compile_s is then a compile or a cache load
-        enable_compilation_cache(args.compile_cache)
+        enable_compilation_cache()
     load_start = os.getloadavg()
     if warning := load_warning(load_start[0]):
         print(f"bench.py: warning: {warning}", file=sys.stderr, flush=True)
     bench = Bench(args, model)
     print(f"device {device_desc()}, load {load_start[0]:.2f}; layer loop {bench.target.layer_loop}", flush=True)
-    report = aime25_report if args.workload else kv_report if args.kv_bits and not args.micro else decode_report
+    report = aime25_report if args.workload else decode_report
     return report(args, bench, model_desc, configs, load_start)
 
 

@@ -1,33 +1,26 @@
-"""One device check: on the accelerator present (GPU or TPU), in about 8 minutes, write one JSON and one table.
+"""The device check: on the accelerator present (GPU or TPU), in about 8 minutes, one JSON and one table.
 
-    python -m benchmarks.device_check --out DIR   # exit 0: what ran passed (phases past the budget are skipped),
-                                                  # 1: something failed, 2: no accelerator (nothing run or written)
+    python -m benchmarks.device_check --out DIR   # exit 0: every phase run passed (or was skipped for time),
+                                                  # 1: a phase failed, 2: no accelerator (nothing run or written)
 
-Keep each run: copy DIR/device_check.json and DIR/device_check.md to docs/device-runs/<date>-<device>/ and summarize
-it in docs/BENCHMARKS.md. Phases, in this order of priority, each a process (a TPU belongs to one process at a time;
-a GPU's memory is not preallocated) writing results.json and results.md in DIR/<phase>/ under a cap (`CAPS`); what
-does not fit the budget (--budget-s, 470 s) is reported as skipped:
+Phases, in order, each a child process (a TPU belongs to one process at a time; the workload one per method) under
+its cap (`CAPS`; what does not fit --budget-s, 470 s, is skipped), writing results.json and results.md in DIR/<phase>
+(the workload's in DIR/workload_vase_dkv_2048 and DIR/workload_full):
   tests       the compiled kernels' tests (tests/test_kernels.py, tests/test_kernels_generate.py)
-  invariance  `invariance_check`: the probe's rule (Qwen3-8B's widths, bf16); row 0's greedy tokens alone and in
-              batches of 16 and 128 (Qwen3-0.6B's widths, 2 layers); a call's time with batch invariance on and off
-  sweep       `benchmarks.kernels --sweep-seconds` (GPU only): the Triton decode kernel with the launch table's
-              parameters and the best found, as shares of the read bandwidth; the table rows to paste
-  workload    `benchmarks.bench --workload aime25` per method (vase_dkv@2048, full), each planning its rows on this
-              device: the protocol's projected wall time
-  events      `benchmarks.bench --micro` (`EVENTS`): an eviction event against the B = 64 decode steps between
-              events, Qwen3-14B's shape, batch 128
+  invariance  `invariance_check`: row 0's greedy tokens alone and in batches of 16 and 128; invariance's cost
+  sweep       `benchmarks.kernels --sweep-seconds` (GPU only): the decode kernel's launch table against the best found
+  workload    `benchmarks.bench --workload aime25` for vase_dkv@2048, then full, each planning its rows on the device
+  events      `benchmarks.bench --micro` (`EVENTS`): an eviction event against the B = 64 steps between events
   memory      `memory_peak`: the device's peak in one `generate` call against weights + cache + 2 GiB
-  decode      `benchmarks.bench --micro` (`DECODE`): Qwen3-8B's shape, bf16, batch 16: full, vase_dkv@2048 and
-              vase_attnv@2048 steps at 16k and 4k tokens against their bytes bound; full's step on a K4V4 cache
-The default budget fits tests to sweep and gives the workload what is left: run the workload alone (`--skip` every
-other phase), and events, memory and decode with `--skip tests,invariance,sweep,workload`.
+  decode      `benchmarks.bench --micro` (`DECODE`): steps at 4k and 16k tokens against their bytes bound; full on K4V4
+The default budget fits tests to sweep, the workload getting what is left: in a second lease run the workload alone,
+and events, memory and decode with `--skip tests,invariance,sweep,workload`. Keep DIR/device_check.json and .md under
+docs/device-runs/<date>-<device>/ and summarize the run in docs/BENCHMARKS.md.
 
-Targets (benchmark goals, not pass/fail of this script), in the table: the decode kernel at >= 70% of the read
-bandwidth at batch 16 x 4k-16k slots and 128 x 2k; eviction events <= 3% of the decode time between them; the AIME25
-protocol's projected wall time for vase_dkv@2048 <= 30 minutes; the vase_dkv@2048 step at 16k at >= 0.75 of its
-bytes bound; vase_dkv against full tokens/s at 16k >= 2.3x; the full K4V4 step at 16k <= 0.6x the 16-bit cache's;
-device peak <= weights + cache + 2 GiB.
-"""
+Targets (in the table, not the exit status): the decode kernel >= 70% of the read bandwidth (batch 16 x 4k-16k slots,
+128 x 2k); eviction events <= 3% of the decode time between them; the AIME25 protocol's projected wall time for
+vase_dkv@2048 <= 30 min; the vase_dkv@2048 step at 16k >= 0.75 of its bytes bound; vase_dkv against full tokens/s at
+16k >= 2.3x; full's K4V4 step at 16k <= 0.6x the 16-bit cache's; the device peak <= weights + cache + 2 GiB."""
 
 from __future__ import annotations
 
@@ -38,15 +31,18 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from benchmarks.report import num, table, write_json, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_ACCELERATOR = 2
-# seconds each phase may take at most; events, memory and decode together fill one budget of their own
-CAPS = {"tests": 60, "invariance": 90, "sweep": 80, "workload": 480, "events": 100, "memory": 70, "decode": 290}
-PHASES = tuple(CAPS)
-WORKLOAD_SHARE = {"vase_dkv@2048": 0.55, "full": 0.45}  # the workload phase's methods, their shares of its cap
+# the check's processes in order, each with the seconds it may take at most: a phase each, but the workload one
+# per method (each its own peak); events, memory and decode together fill one budget of their own
+CAPS = {"tests": 60, "invariance": 90, "sweep": 80, "workload vase_dkv@2048": 264, "workload full": 216, "events": 100,
+        "memory": 70, "decode": 290}
+PHASES = tuple(dict.fromkeys(key.split()[0] for key in CAPS))  # what --skip names
+MIN_PHASE_S = 30  # a process with less time left is skipped
 # per method, before the measuring: process start, the model's random weights, the plan (3 to 5 compiles of the
 # engine's programs, about 40 s each for Qwen3-14B's 40 layers on XLA:GPU), the engine's two compiles
 WORKLOAD_SETUP_S = 180
@@ -70,27 +66,25 @@ def module(name: str, values: dict) -> list[str]:
     return [sys.executable, "-m", f"benchmarks.{name}", *flags(values)]
 
 
-def _env() -> dict[str, str]:
-    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}  # phases share the GPU one after another
-    return env | {"PYTHONPATH": os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-
-
-def _run(cmd: list[str], timeout: float, folder: str) -> dict:
-    """A phase's process: rc (None when stopped for time), status (done, failed or stopped), seconds, the output's
-    last lines, and what it wrote in `folder`: results.json (as "results") and results.md (as "table")."""
+def _run(cmd: list[str], timeout: float, folder: str | None = None) -> dict:
+    """A child process (its GPU memory not preallocated: the phases share the device one after another): rc (None
+    when stopped for time), status (done, failed or stopped), seconds, the output's last lines, and what it wrote in
+    `folder`: results.json (as "results") and results.md (as "table")."""
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     start = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=max(timeout, 1))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:  # its output comes as bytes whatever `text` asked for
         rc, out = None, (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
         out += f"\n[stopped after {timeout:.0f} s: phase time budget]"
     phase = dict(rc=rc, status="done" if rc == 0 else ("stopped" if rc is None else "failed"),
                  seconds=round(time.time() - start, 1), tail=out.strip().splitlines()[-30:])
-    for key, name in (("results", "results.json"), ("table", "results.md")):
-        if os.path.exists(path := os.path.join(folder, name)):
-            with open(path) as f:
-                phase[key] = json.load(f) if key == "results" else f.read()
+    if folder and (path := Path(folder, "results.json")).exists():
+        phase["results"] = json.loads(path.read_text())
+    if folder and (path := Path(folder, "results.md")).exists():
+        phase["table"] = path.read_text()
     return phase
 
 
@@ -130,6 +124,7 @@ def memory_peak(*, model: str = "qwen3-8b", layers: int | None = None, dtype: st
 
 
 def memory_markdown(m: dict) -> str:
+    """`memory_peak`'s line: the call, the peak and its bound."""
     return (f"One generate: {m['model']} shape, {m['layers']} layers, {m['dtype']}, batch {m['batch']}, "
             f"vase_dkv@{m['budget']}, {m['new_tokens']} new tokens, {m['evictions']} eviction events, "
             f"{m['seconds']:.1f} s: peak {num(m['peak'], '.2f', 2**-30)} GiB; weights {m['weights'] / 2**30:.2f} + "
@@ -140,10 +135,9 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
                      batches=(1, 16, 128), new_tokens: int = 256, deadline: float | None = None,
                      out: str | None = None) -> dict:
     """Batch invariance on this device, written after each figure: the probe's `RowRule` for `probe_model`'s widths
-    in bf16 (and its seconds), then a random bf16 model of `model`'s widths: row 0's greedy tokens in batches of
-    `batches` rows (full and vase_dkv@128, B = 32), each against the lone row's (no new batch after `deadline`);
-    one call's wall time, after a compiling call, at 1 row and at the largest batch with `batch_invariant` on and
-    off (the padding's cost; the fixed splits')."""
+    in bf16, then, on a random bf16 model of `model`'s widths, row 0's greedy tokens in batches of `batches` rows
+    (full and vase_dkv@128, B = 32) against the lone row's (no new batch after `deadline`); and one call's wall time
+    at 1 row and at the largest batch with `batch_invariant` on and off (the cost of invariance)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -162,9 +156,6 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
     qwen = random_model(shrink(named_configs()[model], layers=layers), jnp.bfloat16)
     ids = np.random.default_rng(0).integers(0, qwen.cfg.vocab_size, (max(batches), 64)).astype(np.int32)
 
-    def save() -> None:
-        write_results(out, result, invariance_markdown(result))
-
     def call(rows: int, ev: vj.EvictionConfig | None = None, **options):
         config = vj.GenerateConfig(max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=(), **options)
         return vj.generate(qwen, ids[:rows], np.ones_like(ids[:rows]), key=jax.random.key(0), config=config,
@@ -180,16 +171,17 @@ def invariance_check(*, probe_model: str = "qwen3-8b", model: str = "qwen3-0.6b"
             lone = tokens if lone is None else lone
             same = int(np.argmin(np.append(tokens == lone, False)))  # the first differing step (new_tokens: none)
             result["rows"][f"{ev.method}@{batch}"] = dict(first_difference=same, identical=same == new_tokens)
-            save()
+            write_results(out, result, invariance_markdown(result))
     for rows in () if "stopped" in result else (1, max(batches)):
         for on in (True, False):
             result["seconds"][f"{rows} {'on' if on else 'off'}"] = time_runs(
                 lambda rows=rows, on=on: call(rows, batch_invariant=on), 1, 1).median
-    save()
+    write_results(out, result, invariance_markdown(result))
     return result
 
 
 def invariance_markdown(result: dict) -> str:
+    """`invariance_check`'s table: each batch's first step differing from the lone row's; the calls' times."""
     lines = [f"Batch invariance: {result['probe']['describe']}", ""] + table(result["rows"].items(), {
         "row 0 of a batch of": lambda kv: kv[0],
         "first step differing from the lone row's": lambda kv: "none" if kv[1]["identical"] else
@@ -202,76 +194,49 @@ def invariance_markdown(result: dict) -> str:
 
 
 # ---- running the phases -------------------------------------------------------------------------------------
-def workload_command(label: str, seconds: float, deadline: float, out: str, scale: str = "protocol") -> list[str]:
-    """The workload phase's child for one method ("vase_dkv@2048", "full"): `benchmarks.bench --workload aime25`
-    at `scale`, measuring for `seconds` and ending by `deadline`, without `--batch`: the child plans its rows on its
-    device (`planner.largest_batch`, the device's compiler and allocator limit; its record has the plan)."""
+def workload_command(label: str, cap: float, out: str, scale: str = "protocol") -> list[str]:
+    """The workload's child for one method ("vase_dkv@2048", "full"): `benchmarks.bench --workload aime25` at
+    `scale`, measuring what `cap` leaves after `WORKLOAD_SETUP_S`, ending 5 s before it, and without `--batch`: the
+    child plans its rows on its device (`planner.largest_batch`, the device's compiler and allocator limit)."""
     method, _, budget = label.partition("@")
+    seconds = max(cap - WORKLOAD_SETUP_S, 10)
     return module("bench", {"--workload": "aime25", "--scale": scale, "--methods": method,
                             **({"--budgets": budget} if budget else {}), "--seconds": round(seconds),
-                            "--deadline": deadline, "--out": out})
+                            "--deadline": time.time() + cap - 5, "--out": out})
 
 
-def phase_command(name: str, folder: str, seconds: float, layers: int | None, backend: str) -> list[str]:
-    """The process of phase `name` (any but the workload), writing results.json and results.md in `folder` and
-    starting no new work after `seconds`; `layers` (None: the model's own) for decode, events and memory."""
-    deadline, layers_flag = time.time() + seconds, {"--layers": layers} if layers else {}
-    if name == "tests":  # the compiled kernels only: the rest (interpret mode, references) runs on any CPU
+def phase_command(key: str, folder: str, cap: float, backend: str) -> list[str] | None:
+    """The process of `CAPS`' entry `key` under `cap` seconds, writing results.json and results.md in `folder` and
+    starting no new work 20 s before its cap (at most half-way). None: the sweep off a GPU (it times the Triton
+    kernel)."""
+    deadline = time.time() + max(cap - 20, cap / 2)
+    if key == "tests":  # the compiled kernels only: the rest (interpret mode, references) runs on any CPU
         other = "pallas_tpu" if backend == "gpu" else "pallas-"  # the other family would run interpreted
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
                 "tests/test_kernels_generate.py", "-k", f"not Interpret and not {other} and not Reference and not "
                 "auto_picks and not explicit_impls"]
-    if name == "sweep":
-        return module("kernels", {"--sweep-seconds": round(seconds), "--out": folder})
-    if name in ("invariance", "memory"):
-        return module("device_check", {"--phase": name, "--out": folder, "--deadline": deadline,
-                                       **(layers_flag if name == "memory" else {})})
-    return module("bench", (EVENTS if name == "events" else DECODE) | layers_flag | {"--deadline": deadline,
-                                                                                     "--out": folder})
-
-
-def run_phase(name: str, args, backend: str, remaining) -> dict:
-    """Phase `name` under min(its cap, the time left; the workload: per method, its share), new work stopping
-    20 s before (at most half-way): its report entry."""
-    folder = os.path.join(args.out, name)
-    if name == "sweep" and backend != "gpu":
-        return dict(status="skipped", rc=None, seconds=0, tail=["the sweep times the Triton kernel: GPU only"])
-    if name != "workload":
-        cap = min(CAPS[name], remaining())
-        phase = _run(phase_command(name, folder, max(cap - 20, cap / 2), args.layers, backend), cap, folder)
-        if name == "tests":
-            phase["summary"] = next((s for s in reversed(phase["tail"]) if " passed" in s or " failed" in s), None)
-            phase["status"] = "passed" if phase["rc"] == 0 else phase["status"]
-        return phase
-    phase = dict(rc=0, status="done", seconds=0.0, tail=[], results={}, table="")
-    for label, share in WORKLOAD_SHARE.items():  # each in its own process (its own peak)
-        if (sub := min(share * CAPS["workload"], remaining())) < 30:
-            phase["results"][label] = dict(skipped="time budget")
-            continue
-        where = os.path.join(folder, label.replace("@", "_"))  # its measuring ends in time, whatever the compiles took
-        run = _run(workload_command(label, max(sub - WORKLOAD_SETUP_S, 10), time.time() + sub - 5, where), sub, where)
-        if run["rc"] != 0 and phase["rc"] == 0:
-            phase.update(rc=run["rc"], status=run["status"])
-        phase.update(seconds=phase["seconds"] + run["seconds"], tail=phase["tail"] + [f"[{label}]", *run["tail"][-8:]],
-                     table=phase["table"] + run.get("table", ""))
-        phase["results"][label] = run.get("results", {})
-    return phase
+    if key.startswith("workload "):
+        return workload_command(key.split()[1], cap, folder)
+    if key == "sweep":
+        return module("kernels", {"--sweep-seconds": round(deadline - time.time()), "--out": folder}) if (
+            backend == "gpu") else None
+    if key in ("invariance", "memory"):
+        return module("device_check", {"--phase": key, "--out": folder, "--deadline": deadline})
+    return module("bench", (EVENTS if key == "events" else DECODE) | {"--deadline": deadline, "--out": folder})
 
 
 # ---- the report ---------------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
-    """The phases' statuses, each phase's own table (its results.md), the targets."""
+    """The phases' statuses, the kernel tests' summary line, each phase's own table (its results.md), the targets."""
     env, phases = report["environment"], report["phases"]
     lines = [f"# Device check: {env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}", "",
              f"{report['started']}; python {env.get('python')}; total {report['seconds']:.0f} s.", ""]
     lines += table(phases.items(), {"phase": lambda p: p[0], "status": lambda p: p[1].get("status"),
                                     "seconds": lambda p: p[1].get("seconds", "-")})
-    if phases.get("tests", {}).get("summary"):
-        lines += ["", f"Tests: `{phases['tests']['summary']}`"]
+    tests = [s for s in phases.get("tests", {}).get("tail", []) if " passed" in s or " failed" in s]
+    lines += [f"\nTests: `{tests[-1]}`"] if tests else []
     for name, phase in phases.items():
         lines += ["", f"## {name}", "", phase["table"].strip()] if phase.get("table") else []
-    workload = phases.get("workload", {}).get("results", {})
-    lines += [f"- workload {label}: {res['skipped']}" for label, res in workload.items() if "skipped" in res]
     if report.get("targets"):
         lines += ["", "## Targets", ""] + [f"- {k}: {v}" for k, v in report["targets"].items()]
     return "\n".join(lines) + "\n"
@@ -282,10 +247,9 @@ def _met(ok: bool) -> str:
 
 
 def targets(report: dict) -> dict[str, str]:
-    """Each stated target that the phases' results measure: met or not, and the figure. Read from the sweep's
-    results.json {"shapes": [{"shape": {"batch", "slots", ...}, "table": {"fraction_of_read_bw", ...} or None,
-    "best": the same or None}, ...]}, the workload's per method (bench's {"methods": [its record]}), the events' and
-    decode's (bench --micro's {"runs": [...]}) and the memory phase's (`memory_peak`)."""
+    """Each target (module docstring) that the phases' results measure: met or not, and the figure. Read from the
+    sweep's {"shapes": [{"shape", "table", "best"}]}, bench --workload's {"methods"}, bench --micro's {"runs"} and
+    `memory_peak`'s record."""
     out, results = {}, {name: p.get("results") or {} for name, p in report["phases"].items()}
     for name, want in (("batch 16, 4k-16k slots", lambda s: s["batch"] == 16 and 4096 <= s["slots"] <= 16384),
                        ("batch 128, 2k slots", lambda s: s["batch"] == 128)):
@@ -299,7 +263,7 @@ def targets(report: dict) -> dict[str, str]:
         if r.get("eviction_share") is not None:
             out[f"{r['method']}@{r['budget']} eviction events <= 3% of the decode time between them"] = (
                 f"{_met(r['eviction_share'] <= 0.03)}: {100 * r['eviction_share']:.1f}%")
-    dkv, full = (((results.get("workload", {}).get(label) or {}).get("methods") or [{}])[0] for label in WORKLOAD_SHARE)
+    dkv, full = ((results.get(f"workload {m}", {}).get("methods") or [{}])[0] for m in ("vase_dkv@2048", "full"))
     if "protocol" in dkv:
         minutes = dkv["protocol"]["seconds"] / 60
         beside = "protocol" in full and f" (full: {full['protocol']['seconds'] / 60:.1f} min at {full['rows']} rows)"
@@ -325,11 +289,11 @@ def targets(report: dict) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The check (module docstring; its exit status), or as a child one phase of this module's own (`--phase`)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="device_check", help="folder for device_check.json and device_check.md")
     p.add_argument("--budget-s", type=float, default=470.0, help="time for all phases together (default 470)")
     p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
-    p.add_argument("--layers", type=int, default=None, help="decode, events, memory: layers of the model")
     p.add_argument("--phase", choices=("invariance", "memory"), default=None, help=argparse.SUPPRESS)  # a child
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -339,41 +303,33 @@ def main(argv: list[str] | None = None) -> int:
         rows = invariance_check(deadline=args.deadline, out=args.out)["rows"]
         return int(not all(r["identical"] for r in rows.values()))
     if args.phase == "memory":
-        write_results(args.out, m := memory_peak(layers=args.layers), memory_markdown(m))
+        write_results(args.out, m := memory_peak(), memory_markdown(m))
         return 0
     start = time.time()
-    detect = subprocess.run([sys.executable, "-c", DETECT], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=120)
-    try:
-        env = json.loads(detect.stdout.strip().splitlines()[-1]) | {"python": platform.python_version()}
-    except (IndexError, json.JSONDecodeError):
-        print(f"device_check.py: error: could not start jax:\n{detect.stderr[-2000:]}", file=sys.stderr)
+    detect = _run([sys.executable, "-c", DETECT], 120)
+    if not (found := [line for line in detect["tail"] if line.startswith("{")]):
+        print("device_check.py: error: could not start jax:\n" + "\n".join(detect["tail"]), file=sys.stderr)
         return 1
+    env = json.loads(found[-1]) | {"python": platform.python_version()}
     if env["backend"] not in ("gpu", "tpu"):
         print(f"device_check.py: no accelerator: jax {env['jax']} sees only {env['backend']} devices "
-              f"({env['device_kind']}). This check runs the kernels compiled on a GPU or a TPU; on this machine the "
-              "kernels are checked by `pytest tests/test_kernels.py tests/test_lowering.py` (interpret mode and "
-              "lowering). Nothing was run.", file=sys.stderr)
+              f"({env['device_kind']}). Nothing was run (on a CPU, `pytest tests/test_kernels.py "
+              "tests/test_lowering.py` checks the kernels in interpret mode and their lowering).", file=sys.stderr)
         return NO_ACCELERATOR
-    report = dict(started=time.strftime("%Y-%m-%d %H:%M:%S"), environment=env, phases={})
-
-    def remaining() -> float:
-        return start + args.budget_s - time.time()
-
-    def save() -> None:  # after each phase: what has run so far, in case the whole check is stopped
+    report = dict(started=time.strftime("%Y-%m-%d %H:%M:%S"), environment=env, phases={}, targets={})
+    for key, cap in ((k, c) for k, c in CAPS.items() if k.split()[0] not in skip):
+        cap = min(cap, start + args.budget_s - time.time())
+        folder = os.path.join(args.out, key.replace(" ", "_").replace("@", "_"))
+        cmd = phase_command(key, folder, cap, env["backend"])
+        report["phases"][key] = _run(cmd, cap, folder) if cmd and cap >= MIN_PHASE_S else dict(
+            status="skipped", rc=None, seconds=0, tail=["time budget" if cmd else "the sweep needs a GPU"])
         report["seconds"] = time.time() - start
-        write_json(os.path.join(args.out, "device_check.json"), report)
-
-    for name in (n for n in PHASES if n not in skip):
-        report["phases"][name] = (run_phase(name, args, env["backend"], remaining) if remaining() >= 5 else
-                                  dict(status="skipped", rc=None, seconds=0, tail=["no time left"]))
-        save()
+        write_json(os.path.join(args.out, "device_check.json"), report)  # so far, in case the check is stopped
     report["targets"] = targets(report)
-    save()
-    with open(os.path.join(args.out, "device_check.md"), "w") as f:
-        f.write(text := markdown(report))
+    write_json(os.path.join(args.out, "device_check.json"), report)
+    Path(args.out, "device_check.md").write_text(text := markdown(report))
     print(text)
-    return 0 if all(phase.get("status") in ("passed", "done", "skipped") for phase in report["phases"].values()) else 1
+    return 0 if all(phase["status"] in ("done", "skipped") for phase in report["phases"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The one timing loop, its statistics, the one memory-bandwidth probe, and the machine a figure was taken on.
-Every benchmark times with `time_runs`: wall seconds of `fn()` ended by `jax.block_until_ready`, after untimed
-warm-up calls (which compile). A figure is the median of the runs (min and max kept); a capacity (bandwidth, a
-kernel's best launch) is the minimum."""
+Every benchmark times with `time_runs` (several calls in turns: `time_turns`): wall seconds of `fn()` ended by
+`jax.block_until_ready`, after untimed warm-up calls (which compile). A figure is the median of the runs (min and
+max kept); a capacity (bandwidth, a kernel's best launch) is the minimum."""
 
 from __future__ import annotations
 
@@ -46,12 +46,21 @@ class Stat:
 
 def time_runs(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Stat:
     """Wall seconds of `fn()` (result passed to `jax.block_until_ready`), after `warmup` untimed calls."""
-    times = []
+    return time_turns([fn], repeats, warmup)[0][0]
+
+
+def time_turns(fns: list[Callable[[], object]], repeats: int, warmup: int = 0) -> tuple[list[Stat], list]:
+    """Wall seconds of each of `fns`, as `time_runs`, taken in turns: each round calls every one once (`warmup`
+    untimed rounds, then `repeats` timed), so that drift on a busy machine hits them alike; and each one's last
+    output."""
+    times, outputs = [[] for _ in fns], [None for _ in fns]
     for _ in range(warmup + repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return Stat.of(times[warmup:])
+        for i, fn in enumerate(fns):
+            outputs[i] = None  # the output before it freed: one held at a time
+            start = time.perf_counter()
+            outputs[i] = jax.block_until_ready(fn())
+            times[i].append(time.perf_counter() - start)
+    return [Stat.of(t[warmup:]) for t in times], outputs
 
 
 def decode_rate(total: Stat, prefill: Stat, tokens: int) -> Stat | None:

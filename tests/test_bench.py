@@ -56,16 +56,18 @@ def _check_stat(stat: dict, repeats: int = 3):
 @pytest.mark.slow
 def test_smoke_outputs_and_positive_figures(smoke):
     result, out = smoke
-    assert {"meta", "bandwidth", "runs", "segments"} <= set(result)
+    assert {"meta", "bandwidth", "runs"} <= set(result)
     assert (out / "results.md").read_text().startswith("Command: `python -m benchmarks.bench --model tiny-1k")
     assert set(result["bandwidth"]) == {"read", "copy"} and all(v > 0 for v in result["bandwidth"].values())
     runs = {(r["method"], r["output_len"]): r for r in result["runs"]}
     assert set(runs) == {("full", 64), ("vase_dkv", 64)}
     for r in runs.values():
-        for key in ("total_s", "prefill_s", "decode_tok_s", "step_ms_start", "step_ms_end"):
+        for key in ("total_s", "prefill_s", "decode_tok_s", "step_ms_end"):
             _check_stat(r[key])
-        for key in ("compile_s", "tok_s_start", "tok_s_end", "cache_bytes", "program_bytes"):
+        for key in ("compile_s", "tok_s_end", "cache_bytes", "program_bytes"):
             assert r[key] > 0, key
+        # the 16-bit cache alone: no mixed-precision setting, its own tokens
+        assert (r["kv_bits"], r["protected"], r["x_bf16_cache"], r["tokens_agree_with_bf16"]) == ("K16V16", None, 1, 1)
         roof = r["roofline"]
         assert roof["bytes_step_start"] <= roof["bytes_step_mean"] * 1.5 and roof["bound_tok_s"] > 0
         assert roof["achieved_over_bound"] > 0 and 0 < roof["bound_tok_s_end"] <= roof["bound_tok_s"] * 1.5
@@ -108,7 +110,7 @@ def test_smoke_schedule_and_cache_bytes(smoke):
     (["--model", "tiny-1k", "--layers", "0"], "--layers=0"),
     (["--workload", "aime25", "--seconds", "0"], "--seconds: '0': must be > 0"),
     (["--workload", "aime25", "--kv-bits", "K8V8"], "not allowed with"),
-    (["--workload", "aime25", "--scale", "tiny", "--samples", "0"], "--samples: '0'"),
+    (["--budgets", "512,0"], "--budgets: '512,0': must be >= 1"),
     (["--workload", "aime25", "--scale", "tiny", "--prompt-len", "300"], "--prompt-len=300"),
     (["--scale", "tiny"], "--scale applies to --workload aime25"),
     (["--kv-bits", "K8V8,K3V3"], "--kv-bits: key_bits=3"),
@@ -198,25 +200,33 @@ def test_stat_and_decode_rate():
 
 
 @pytest.mark.slow
-def test_kv_bits_report(tmp_path):
+def test_kv_bits_rows(tmp_path):
     """--kv-bits: a row per (method, setting, protection) with the cache's bytes, the program's, decode tokens/s
-    and the agreement with the 16-bit cache's tokens; the 16-bit row first. No timing assertions."""
+    and the agreement with the 16-bit cache's tokens; the 16-bit row first, with the step and eviction figures.
+    No timing assertions."""
     # one method (3 programs, not 6): `full`'s default protection, a quarter of the cache, is checked by
     # tests/test_tiers.py::test_a_quarter_protected_k4v4_cache_is_half_the_16_bit_cache without compiling
     args = ["--model", "tiny-1k", "--batch", "2", "--prompt-len", "16", "--output-lens", "24", "--methods",
-            "vase_attnv", "--budgets", "16", "--buffer", "8", "--kv-bits", "K8V8", "--out", str(tmp_path)]
+            "vase_attnv", "--budgets", "16", "--buffer", "8", "--kv-bits", "K8V8", "--micro-steps", "2",
+            "--bandwidth-mib", "16", "--out", str(tmp_path)]
     res = _bench(args)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["kv"]
+    rows = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [(r["method"], r["kv_bits"], r["protected"]) for r in rows] == [
         ("vase_attnv", "K16V16", None), ("vase_attnv", "K8V8", 4), ("vase_attnv", "K8V8", 0)]  # Nv = N / 4
     for r in rows:
-        assert r["cache_bytes"] > 0 and r["program_bytes"] > 0 and r["decode_tok_s"] > 0
+        _check_stat(r["decode_tok_s"])
+        assert r["cache_bytes"] > 0 and r["program_bytes"] > 0 and r["x_bf16_decode"] > 0
         assert 0 <= r["tokens_agree_with_bf16"] <= 1
         # head_dim 32 in float32: 2 x 32 x 4 bytes; K8V8 with one group per head: 2 x (32 codes + 2 x 4 bytes)
         assert r["token_bytes"] == (256 if r["kv_bits"] == "K16V16" else 80)
-    assert all(r["tokens_agree_with_bf16"] == 1 for r in rows if r["kv_bits"] == "K16V16")
-    assert (tmp_path / "results.md").read_text().startswith("# Mixed-precision KV cache")
+        assert r["x_bf16_cache"] == r["cache_bytes"] / rows[0]["cache_bytes"]
+    assert rows[0]["tokens_agree_with_bf16"] == 1 and rows[0]["x_bf16_decode"] == 1
+    # the quantized tier: a smaller cache; without protection not larger (the tiers' alignment may even them out)
+    assert rows[2]["cache_bytes"] <= rows[1]["cache_bytes"] < rows[0]["cache_bytes"]
+    assert rows[0]["evict_ms"]["median"] > 0 and "step_ms_end" not in rows[1]  # the pieces: the 16-bit cache's
+    text = (tmp_path / "results.md").read_text()
+    assert "| tokens = bf16 |" in text and "| vase_attnv@16 K8V8 P=0 | 24 |" in text
 
 
 # ---- the AIME25 workload ----------------------------------------------------------------------------------------

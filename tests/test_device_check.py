@@ -4,7 +4,6 @@ report's targets."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,22 +34,25 @@ def test_exits_2_without_an_accelerator(tmp_path):
 
 def test_bad_flags_exit_2_and_phase_commands(device_check, tmp_path, capsys):
     """A phase name --skip does not know: a one-line error, exit 2, nothing run. The sweep is `benchmarks.kernels`
-    under the phase's seconds, and GPU only; the benchmarks' phases stop new work by a deadline; --layers reaches
-    the phases that take it; the second lease (events, memory, decode) fits the default budget."""
+    up to 20 s before its cap, and GPU only; the benchmarks' phases stop new work by a deadline; the workload is a
+    process per method; the second lease (events, memory, decode) fits the default budget."""
     with pytest.raises(SystemExit) as e:
         device_check.main(["--skip", "tests,lowering", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "--skip: lowering unknown" in err[-1] and not (tmp_path / "out").exists()
-    cmd = device_check.phase_command("sweep", "f", 60, 2, "gpu")
-    assert cmd[1:] == ["-m", "benchmarks.kernels", "--sweep-seconds", "60", "--out", "f"]
-    args = argparse.Namespace(out=str(tmp_path), layers=2)
-    assert device_check.run_phase("sweep", args, "tpu", lambda: 400.0)["status"] == "skipped"
-    for name, module, layers in (("decode", "bench", True), ("events", "bench", True), ("memory", "device_check", True),
-                                 ("invariance", "device_check", False)):
-        cmd = device_check.phase_command(name, "f", 60, 2, "gpu")
-        assert cmd[2] == f"benchmarks.{module}" and ("--layers" in cmd) == layers
-        assert time.time() + 50 < float(cmd[cmd.index("--deadline") + 1]) <= time.time() + 60
-    assert "--kv-bits" in device_check.phase_command("decode", "f", 60, None, "gpu")
+    assert device_check.PHASES == ("tests", "invariance", "sweep", "workload", "events", "memory", "decode")
+    cmd = device_check.phase_command("sweep", "f", 60, "gpu")
+    assert cmd[1:] == ["-m", "benchmarks.kernels", "--sweep-seconds", "40", "--out", "f"]
+    assert device_check.phase_command("sweep", "f", 60, "tpu") is None
+    for name, module in (("decode", "bench"), ("events", "bench"), ("memory", "device_check"),
+                         ("invariance", "device_check"), ("workload full", "bench")):
+        cmd = device_check.phase_command(name, "f", 200, "gpu")
+        assert cmd[2] == f"benchmarks.{module}" and cmd[cmd.index("--out") + 1] == "f"
+        assert time.time() + 170 < float(cmd[cmd.index("--deadline") + 1]) <= time.time() + 200
+    workload = device_check.phase_command("workload vase_dkv@2048", "f", 264, "gpu")
+    assert workload[3:] == ["--workload", "aime25", "--scale", "protocol", "--methods", "vase_dkv", "--budgets",
+                            "2048", "--seconds", "84", "--deadline", workload[-3], "--out", "f"]
+    assert "--kv-bits" in device_check.phase_command("decode", "f", 60, "gpu")
     assert sum(device_check.CAPS[n] for n in ("events", "memory", "decode")) <= 470
 
 
@@ -94,7 +96,7 @@ def test_decode_phase_and_report_on_cpu(device_check, tmp_path):
     assert memory["cache"] >= 2 * cfg.num_layers * cfg.num_kv_heads * 48 * (2 * cfg.head_dim * 4 + 4)
     memory.update(peak=memory["weights"] + memory["cache"], within=True)  # as a device would report it
     report = dict(started="now", seconds=1.0, environment=dict(backend="gpu", device_kind="test", jax="0", python="3"),
-                  phases=dict(tests=dict(status="passed", seconds=1, summary="1 passed"),
+                  phases=dict(tests=dict(status="done", seconds=1, tail=["....", "1 passed in 2.00s"]),
                               memory=dict(status="done", seconds=1, results=memory),
                               decode=dict(status="done", seconds=1, results=result, table=table)))
     t = report["targets"] = device_check.targets(report)
@@ -105,6 +107,7 @@ def test_decode_phase_and_report_on_cpu(device_check, tmp_path):
     assert len(t) == 4  # no sweep, events or workload results: no targets of theirs
     text = device_check.markdown(report)
     assert "## decode" in text and "| vase_attnv@32 | 64 |" in text and "## Targets" in text
+    assert "Tests: `1 passed in 2.00s`" in text and "- full at 64 tokens on K4V4 (P = " in text
 
 
 def test_sweep_workload_and_events_in_the_report(device_check):
@@ -128,11 +131,11 @@ def test_sweep_workload_and_events_in_the_report(device_check):
     events = dict(runs=[dict(method="vase_dkv", budget=2048, eviction_share=0.02),
                         dict(method="vase_attnv", budget=2048, eviction_share=0.04)])
     report = dict(started="now", seconds=1.0, environment=dict(backend="gpu", device_kind="H200", jax="0", python="3"),
-                  phases=dict(sweep=dict(status="done", seconds=80, results=sweep, table="| sweep's table |\n"),
-                              workload=dict(status="done", seconds=200, results={
-                                  "vase_dkv@2048": workload("vase_dkv@2048", 260, 1700.0),
-                                  "full": dict(skipped="time budget")}),
-                              events=dict(status="done", seconds=60, results=events)))
+                  phases={"sweep": dict(status="done", seconds=80, results=sweep, table="| sweep's table |\n"),
+                          "workload vase_dkv@2048": dict(status="done", seconds=200,
+                                                         results=workload("vase_dkv@2048", 260, 1700.0)),
+                          "workload full": dict(status="skipped", seconds=0, tail=["time budget"]),
+                          "events": dict(status="done", seconds=60, results=events)})
     t = device_check.targets(report)
     # a shape the sweep's best did not time: the table's figure alone
     assert t["decode kernel >= 70% of the read bandwidth (batch 16, 4k-16k slots)"] == "met with the table: lowest 72%"
@@ -142,16 +145,16 @@ def test_sweep_workload_and_events_in_the_report(device_check):
     assert t["vase_attnv@2048 eviction events <= 3% of the decode time between them"] == "not met: 4.0%"
     assert t["the AIME25 protocol's projected wall time, vase_dkv@2048, <= 30 min"] == "met: 28.3 min at 260 rows"
     assert len(t) == 5
-    report["phases"]["workload"]["results"]["full"] = workload("full", 20, 9000.0)
+    report["phases"]["workload full"] = dict(status="done", seconds=200, results=workload("full", 20, 9000.0))
     assert device_check.targets(report)["the AIME25 protocol's projected wall time, vase_dkv@2048, <= 30 min"] == (
         "met: 28.3 min at 260 rows (full: 150.0 min at 20 rows)")
     # a sweep whose table rows were not timed (stopped for time): no target from them
     sweep["shapes"][2]["table"] = None
     assert "decode kernel >= 70% of the read bandwidth (batch 128, 2k slots)" not in device_check.targets(report)
-    report["phases"]["workload"]["results"]["full"] = dict(skipped="time budget")
+    report["phases"]["workload full"] = dict(status="skipped", seconds=0, tail=["time budget"])
     report["targets"] = t
     text = device_check.markdown(report)
-    assert "## sweep\n\n| sweep's table |" in text and "- workload full: time budget" in text
+    assert "## sweep\n\n| sweep's table |" in text and "| workload full | skipped | 0 |" in text
     assert text.index("## sweep") < text.index("## Targets") and "- vase_attnv@2048 eviction events" in text
 
 
@@ -160,7 +163,7 @@ def test_workload_phase_plans_its_rows_on_its_device(device_check, tmp_path):
     """The workload phase's child, at the tiny scale on this CPU (memory given, as a device's allocator limit
     would be): no rows given, so it plans them (`planner.largest_batch`, compiled here) and runs at the plan's
     rows; the report's planned GiB is the plan's total."""
-    cmd = device_check.workload_command("vase_dkv@32", 1, time.time() - 100, str(tmp_path / "w"), scale="tiny")
+    cmd = device_check.workload_command("vase_dkv@32", 1, str(tmp_path / "w"), scale="tiny")  # a deadline past
     assert "--batch" not in cmd
     device_gb = 0.012
     proc = subprocess.run(cmd + ["--device-gb", str(device_gb)], cwd=ROOT, capture_output=True, text=True,
@@ -173,8 +176,8 @@ def test_workload_phase_plans_its_rows_on_its_device(device_check, tmp_path):
     assert rec["plan"]["total"] <= usable and rec["rows_reason"].startswith(("limited by memory", "capped at"))
     assert rec["schedules_match_engine"] and rec["protocol"]["tok_s"] > 0
     report = dict(started="now", seconds=1.0, environment=dict(backend="cpu", device_kind="cpu", jax="0", python="3"),
-                  phases=dict(workload=dict(status="done", seconds=1, results={"vase_dkv@32": res},
-                                            table=(tmp_path / "w" / "results.md").read_text())))
+                  phases={"workload vase_dkv@32": dict(status="done", seconds=1, results=res,
+                                                       table=(tmp_path / "w" / "results.md").read_text())})
     text = device_check.markdown(report)
     assert f"| vase_dkv@32 | {rec['rows']} |" in text and f"| {rec['plan']['total'] / 2**30:.2f} |" in text
 
