@@ -196,5 +196,9 @@ def evict_ms(cache: KVCache, eviction: EvictionConfig, repeats: int, attention_i
              seed: int = 0) -> Stat:
     """Milliseconds of one eviction event: `repeats` chained calls of `evict_full`."""
     key, rows = jax.random.key(seed), jnp.arange(cache.length.shape[0], dtype=jnp.int32)
-    return _chained(lambda c: (lambda out: (out, out.length))(evict_full(c, eviction, key, rows, attention_impl)),
-                    cache, repeats).map(lambda s: s * 1e3)
+
+    def event(c: KVCache) -> tuple[KVCache, jax.Array]:  # the cache for the next call, and what ends this one
+        out = evict_full(c, eviction, key, rows, attention_impl)
+        return out, out.length
+
+    return _chained(event, cache, repeats).map(lambda s: s * 1e3)

@@ -66,15 +66,20 @@ def module(name: str, values: dict) -> list[str]:
     return [sys.executable, "-m", f"benchmarks.{name}", *flags(values)]
 
 
-def _run(cmd: list[str], timeout: float, folder: str | None = None) -> dict:
-    """A child process (its GPU memory not preallocated: the phases share the device one after another): rc (None
-    when stopped for time), status (done, failed or stopped), seconds, the output's last lines, and what it wrote in
-    `folder`: results.json (as "results") and results.md (as "table")."""
+def _env() -> dict[str, str]:
+    """A child's environment: the repository importable, GPU memory not preallocated (the phases share the device
+    one after another)."""
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(cmd: list[str], timeout: float, folder: str | None = None) -> dict:
+    """A child process (`_env`): rc (None when stopped for time), status (done, failed or stopped), seconds, the
+    output's last lines, and what it wrote in `folder`: results.json (as "results") and results.md (as "table")."""
     start = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=max(timeout, 1))
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:  # its output comes as bytes whatever `text` asked for
         rc, out = None, (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
@@ -266,9 +271,10 @@ def targets(report: dict) -> dict[str, str]:
     dkv, full = ((results.get(f"workload {m}", {}).get("methods") or [{}])[0] for m in ("vase_dkv@2048", "full"))
     if "protocol" in dkv:
         minutes = dkv["protocol"]["seconds"] / 60
-        beside = "protocol" in full and f" (full: {full['protocol']['seconds'] / 60:.1f} min at {full['rows']} rows)"
+        beside = f" (full: {full['protocol']['seconds'] / 60:.1f} min at {full['rows']} rows)" if (
+            "protocol" in full) else ""
         out["the AIME25 protocol's projected wall time, vase_dkv@2048, <= 30 min"] = (
-            f"{_met(minutes <= 30)}: {minutes:.1f} min at {dkv['rows']} rows{beside or ''}")
+            f"{_met(minutes <= 30)}: {minutes:.1f} min at {dkv['rows']} rows{beside}")
     at = {r["method"]: r for r in results.get("decode", {}).get("runs", [])
           if r["output_len"] == 16384 and "skipped" not in r}
     if "vase_dkv" in at:
@@ -306,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.out, m := memory_peak(), memory_markdown(m))
         return 0
     start = time.time()
-    detect = _run([sys.executable, "-c", DETECT], 120)
-    if not (found := [line for line in detect["tail"] if line.startswith("{")]):
-        print("device_check.py: error: could not start jax:\n" + "\n".join(detect["tail"]), file=sys.stderr)
+    # jax's own answer on stdout (its warnings, however many, on stderr)
+    detect = subprocess.run([sys.executable, "-c", DETECT], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    if not (found := [line for line in detect.stdout.splitlines() if line.startswith("{")]):
+        print(f"device_check.py: error: could not start jax:\n{detect.stderr[-2000:]}", file=sys.stderr)
         return 1
     env = json.loads(found[-1]) | {"python": platform.python_version()}
     if env["backend"] not in ("gpu", "tpu"):
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             status="skipped", rc=None, seconds=0, tail=["time budget" if cmd else "the sweep needs a GPU"])
         report["seconds"] = time.time() - start
         write_json(os.path.join(args.out, "device_check.json"), report)  # so far, in case the check is stopped
-    report["targets"] = targets(report)
+    report["targets"], report["seconds"] = targets(report), time.time() - start  # seconds: also when all skipped
     write_json(os.path.join(args.out, "device_check.json"), report)
     Path(args.out, "device_check.md").write_text(text := markdown(report))
     print(text)
