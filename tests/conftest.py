@@ -20,6 +20,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (the HF references) computes on one thread: its OpenMP threads spin while they wait, and beside the other
+# xdist worker on two cores the packaged model's four greedy HF generations took 43 s against 3.7 s on one thread
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
