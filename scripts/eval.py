@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="default 0.95")
     p.add_argument("--top-k", type=int, help="default 0 (off)")
     p.add_argument("--batch-size", type=_batch_size, help="rows of the batch (default: R); continuous: samples of "
-                   "any problem; static: rows per generate call, all of one problem. 'auto' (continuous, one "
-                   "device): the most rows that fit the device, per method and budget, planned with its compiler")
+                   "any problem, at most the samples left to run; static: rows per generate call, all of one "
+                   "problem. 'auto' (continuous, one device): the most rows that fit the device, per method and "
+                   "budget, planned with its compiler")
     p.add_argument("--scheduler", choices=("continuous", "static"),
                    help="continuous: a row takes the next sample as soon as its sample ends (the default on one "
                    "device); static: one generate call per chunk of a problem's samples (the default, and the only "

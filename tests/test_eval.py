@@ -311,6 +311,16 @@ def test_bad_input_subprocess(case, bad_files, work):
     assert len(lines) == 1 and expected in lines[0], res.stderr
 
 
+def test_continuous_rows_at_most_the_samples_left():
+    """The continuous engine runs `--batch-size` rows, or fewer where fewer samples are left to run: a row with
+    no sample would only cost its steps (and a record's seconds are its share of the rows' wall time)."""
+    from vase_jax import evaluation as ev
+    from vase_jax.evaluation.continuous import batch_rows
+
+    cfg, _ = ev.resolve(model="random:tiny", task="gsm8k", limit=2, batch_size=8)
+    assert [batch_rows(None, cfg, None, None, 16, samples) for samples in (1, 3, 8, 20)] == [1, 3, 8, 8]
+
+
 def test_resume_refuses_changed_settings(tmp_path, capsys):
     from vase_jax import evaluation as ev
 

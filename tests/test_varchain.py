@@ -186,21 +186,28 @@ TINY_TRAIN = ["--layers", "1", "--hidden", "32", "--intermediate", "64", "--head
               "--warmup", "2", "--save-every", "3"]
 
 
-def _train(out: Path, *extra: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out), *TINY_TRAIN, *extra],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+def _train(out: Path, *extra: str, process: bool = False) -> list[dict]:
+    """scripts/train.py on `out` (in this process, or in a new one: `process`); its log's rows."""
+    argv = ["--out", str(out), *TINY_TRAIN, *extra]
+    if process:
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *argv], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+    else:
+        assert train.main(argv) == 0
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.script
 @pytest.mark.slow
-def test_train_resumes_exactly_after_an_interruption(tmp_path):
+def test_train_resumes_exactly_after_an_interruption(tmp_path, capsys):
+    """A run stopped after step 3 and resumed in a new process (nothing carried over in memory) logs the losses of
+    an uninterrupted run; other settings on the same folder are refused; a second stage starts from the first's
+    weights."""
     straight = _train(tmp_path / "a")
     cut = _train(tmp_path / "b", "--stop-after", "3")
     assert max(r["step"] for r in cut) == 3
-    resumed = _train(tmp_path / "b")
+    resumed = _train(tmp_path / "b", process=True)
 
     def losses(rows):
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -208,10 +215,9 @@ def test_train_resumes_exactly_after_an_interruption(tmp_path):
     assert losses(resumed)[5] == losses(straight)[5]  # bit-identical: same batches, same restored state
     assert losses(resumed) == losses(straight)
     assert (tmp_path / "b" / "loss.png").stat().st_size > 0
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(tmp_path / "b"),
-                          *TINY_TRAIN[:-2], "--save-every", "3", "--lr", "0.1"], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
-    assert res.returncode == 2 and "other settings" in res.stderr
+    capsys.readouterr()
+    assert train.main(["--out", str(tmp_path / "b"), *TINY_TRAIN[:-2], "--save-every", "3", "--lr", "0.1"]) == 2
+    assert "other settings" in capsys.readouterr().err
     # a second stage starts from the first's weights: its first loss is the first run's last, not a fresh start's
     stage2 = _train(tmp_path / "c", "--init", str(tmp_path / "a"))
     first = losses(stage2)[1]

@@ -72,9 +72,10 @@ def run_continuous(model, tokenizer, cfg: EvalConfig, problems: list[Problem], s
 def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, samples: int) -> int:
     """`cfg.batch_size`, or with "auto" the most rows of the engine that fit the model's device
     (`planner.largest_batch` with that device's compiler and its allocator limit; on a CPU, 80% of the host's
-    available memory), at most `samples`; the reason is printed."""
+    available memory); at most `samples` (a row with no sample would only cost its steps); auto's reason is
+    printed."""
     if cfg.batch_size != AUTO:
-        return cfg.batch_size
+        return min(cfg.batch_size, samples)
     device = next(iter(jax.tree.leaves(nnx.state(model))[0].devices()))
     memory = planner.device_memory(device)
     if memory is None:  # the CPU: what the host has free
