@@ -115,12 +115,14 @@ def probe_shapes(*, hidden: int, q_dim: int, kv_dim: int, mlp: int, vocab: int, 
                    dtype=dtype.name, batches=tuple(batches))
 
 
-def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """x [rows, k], w [n, k] whose products cancel: each product u * w0 has a partner -u * w0 at another, random
-    position of k (u spread over 2^0..2^11), so every output is exactly 0 in exact arithmetic and what a float sum
-    leaves is the rounding of the order it summed in. With plain normal inputs a kernel that sums in another order
-    rarely changes a bfloat16 output (an Intel Xeon with AMX: its 2-row bfloat16 matmuls differ from 64-row ones,
-    which a probe with normal inputs missed while `generate`'s rows differed)."""
+def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> tuple[np.ndarray, jax.Array]:
+    """x [rows, k] on the host (the probe's batches are slices of it, sent as they are: gathered on the device, each
+    batch compiled a gather of its own, 1.5 s of the probe's 2.3 s at the tiny model's widths) and w [n, k] on the
+    device, whose products cancel: each product u * w0 has a partner -u * w0 at another, random position of k (u
+    spread over 2^0..2^11), so every output is exactly 0 in exact arithmetic and what a float sum leaves is the
+    rounding of the order it summed in. With plain normal inputs a kernel that sums in another order rarely changes a
+    bfloat16 output (an Intel Xeon with AMX: its 2-row bfloat16 matmuls differ from 64-row ones, which a probe with
+    normal inputs missed while `generate`'s rows differed)."""
     half = k // 2
     u = rng.standard_normal((rows, half)) * 2.0 ** rng.integers(0, 12, (rows, half))
     w0 = rng.standard_normal((n, half)) * k ** -0.5
@@ -128,17 +130,17 @@ def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> t
     x[:, :half], x[:, half:2 * half] = u, -u
     w[:, :half], w[:, half:2 * half] = w0, w0
     order = rng.permutation(k)  # partners apart, in no block structure a kernel could mirror
-    return jnp.asarray(x[:, order], dtype), jnp.asarray(w[:, order], dtype)
+    return np.asarray(x[:, order], dtype), jnp.asarray(w[:, order], dtype)
 
 
 def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
-    """The batches m whose rows differ (bitwise) from the same rows of one batch of all `rows`. `run(index)`
-    computes the operation on the rows `index` selects, each m its own program whose inputs have m rows (as the
-    model's do); the first `chunks` groups of m rows are compared."""
-    whole = np.asarray(run(np.arange(rows))).view(np.uint8)
+    """The batches m whose rows differ (bitwise) from the same rows of one batch of all `rows`. `run(rows)`
+    computes the operation on the rows the slice `rows` selects, each m its own program whose inputs have m rows
+    (as the model's do); the first `chunks` groups of m rows are compared."""
+    whole = np.asarray(run(slice(0, rows))).view(np.uint8)
     bad = []
     for m in batches:
-        parts = [np.asarray(run(np.arange(i, i + m))).view(np.uint8)
+        parts = [np.asarray(run(slice(i, i + m))).view(np.uint8)
                  for i in range(0, min(rows - m, (chunks - 1) * m) + 1, m)]
         if not np.array_equal(np.concatenate(parts), whole[:len(parts) * m]):
             bad.append(m)
