@@ -28,10 +28,11 @@ from flax import nnx
 import vase_jax as vj
 from benchmarks import decode_step as ds
 from benchmarks import workload as wl
-from benchmarks.report import ints, method_label, num, spread, table, write_results
+from benchmarks.report import method_label, num, spread, table, write_results
 from benchmarks.timing import bandwidth, decode_rate, device_desc, load_warning, machine, time_turns
 from vase_jax import planner
 from vase_jax.cache import cache_bytes
+from vase_jax.cli import Parser, at_least, checked, comma_list
 from vase_jax.eviction import METHODS, EvictionConfig, framework
 from vase_jax.generate import MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
@@ -47,29 +48,6 @@ AIME25_SCALES = {"protocol": (wl.AIME25, {"model": "qwen3-14b", "dtype": "bfloat
 BF16 = "K16V16"  # the 16-bit cache's `KVBits` name
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2, before anything compiles
-        print(f"bench.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _checked(conv: Callable[[str], object], ok: Callable, want: str) -> Callable[[str], object]:
-    """An argparse type: `conv(text)`, its every value (one, or a list's) passing `ok`, else "'TEXT': WANT"."""
-    def parse(text: str):
-        value = conv(text)
-        values = value if isinstance(value, list) else [value]
-        if not values or not all(ok(v) for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r}: {want}")
-        return value
-
-    parse.__name__ = conv.__name__  # argparse's "invalid <name> value" when `conv` raises
-    return parse
-
-
-def _at_least(low: float, conv: Callable = int) -> Callable[[str], object]:
-    return _checked(conv, lambda v: v >= low, f"must be >= {low}")
-
-
 def kv_settings(text: str) -> list[str]:
     """--kv-bits: canonical `KVBits` names, bf16 first."""
     try:
@@ -81,23 +59,23 @@ def kv_settings(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The flags, each checked by its type; `check_args` checks what spans flags."""
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a, positive, above_0 = p.add_argument, _at_least(1), _checked(float, lambda v: v > 0, "must be > 0")
+    p = Parser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a, positive, above_0 = p.add_argument, at_least(1), checked(float, lambda v: v > 0, "must be > 0")
     a("--model", help="hub id, HF folder or named random model (default qwen3-0.6b; aime25: qwen3-14b, tiny-1k)")
     for name in ("layers", "vocab", "hidden", "intermediate"):
         a(f"--{name}", type=int, help=f"named random models: {name} (heads unchanged)")
     a("--dtype", choices=("float32", "bfloat16"), help="default: float32 (CPU), bfloat16 (GPU)")
     a("--batch", type=positive, help="rows (default 4; aime25: the most that fit the device, per method)")
     a("--prompt-len", type=positive, help="random prompt tokens per row (default 128; aime25: 256)")
-    a("--output-lens", type=_at_least(2, ints), default=[1024], help="comma list: new tokens per row")
+    a("--output-lens", type=at_least(2, comma_list(int)), default=[1024], help="comma list: new tokens per row")
     a("--methods", help="comma list of full and eviction METHODS (default full,vase_attnv,vase_dkv), paper or all")
-    a("--budgets", type=_at_least(1, ints), help="comma list of budgets N (default 512, aime25: 2048)")
+    a("--budgets", type=at_least(1, comma_list(int)), help="comma list of budgets N (default 512, aime25: 2048)")
     a("--buffer", type=int, help="buffer B, the eviction period (default 64)")
-    a("--prefill-chunk", type=_checked(int, lambda v: v == 0 or v >= MIN_PREFILL_CHUNK, f"0 (dense) or >= "
+    a("--prefill-chunk", type=checked(int, lambda v: v == 0 or v >= MIN_PREFILL_CHUNK, f"0 (dense) or >= "
       f"{MIN_PREFILL_CHUNK}"), default=vj.GenerateConfig.prefill_chunk, help="GenerateConfig.prefill_chunk; 0: dense")
     a("--no-batch-invariant", action="store_true", help="GenerateConfig.batch_invariant=False (the invariance's cost)")
-    a("--repeats", type=_at_least(3), default=3, help="timed runs per figure")
-    a("--warmup", type=_at_least(0), default=1, help="untimed runs after compiling, before the timed ones")
+    a("--repeats", type=at_least(3), default=3, help="timed runs per figure")
+    a("--warmup", type=at_least(0), default=1, help="untimed runs after compiling, before the timed ones")
     a("--micro-steps", type=positive, default=8, help="decode steps per micro-benchmark call")
     a("--bandwidth-mib", type=positive, default=512, help="array size of the bandwidth measurement")
     a("--micro", action="store_true", help="a step at each run's last length and an eviction event alone, no generate")

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.report import ints, num, table, write_results
+from benchmarks.report import num, table, write_results
 from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, time_runs
 from pallas_kernels import decode_tuning, get_decode_attention
 from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning
+from vase_jax.cli import comma_list
 from vase_jax.eviction.window_score import window_score
 
 # the device check's sweep: Qwen3-14B's heads (group 5) and 8B's (group 4), bf16; batches 128 and 64 in a cache of
@@ -199,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     on_accel = platform in ("gpu", "tpu")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--batches", type=ints, default=None, help="default 1,4,16 (CPU: 1,4)")
-    a("--lengths", type=ints, default=None, help="used slots; default 1024,4096,16384,32768 (CPU: 256,1024)")
+    a("--batches", type=comma_list(int), default=None, help="default 1,4,16 (CPU: 1,4)")
+    a("--lengths", type=comma_list(int), default=None, help="used slots; default 1024,4096,16384,32768 (CPU: 256,1024)")
     a("--kv-heads", type=int, default=8)
     a("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
     a("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if on_accel else "float32")

@@ -1,4 +1,4 @@
-"""How the benchmarks write their figures: numbers, method labels, comma lists, markdown tables, JSON files."""
+"""How the benchmarks write their figures: numbers, method labels, markdown tables, JSON files."""
 
 from __future__ import annotations
 
@@ -20,11 +20,6 @@ def spread(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
 def method_label(method: str, budget: int | None = None) -> str:
     """"full" (no budget), or "method@budget"."""
     return f"{method}@{budget}" if budget else method
-
-
-def ints(text: str) -> list[int]:
-    """A comma list of integers (an argparse `type`: a ValueError is its one-line error)."""
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def table(rows, columns: dict[str, Callable[[dict], object]]) -> list[str]:

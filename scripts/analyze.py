@@ -33,26 +33,11 @@ from pathlib import Path
 PROG = "analyze.py"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def _csv_int(text: str) -> tuple[int, ...]:
-    try:
-        items = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if not items:
-        raise argparse.ArgumentTypeError("empty list")
-    return items
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from vase_jax.cli import Parser, comma_list
     from vase_jax.evaluation.config import RANDOM_MODELS
 
-    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder")
     src.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
@@ -69,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="default 0")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--sinks", type=int, default=4, help="sink tokens dropped per head (default 4)")
-    p.add_argument("--bits", type=_csv_int, default=(2, 4), help="comma list (default 2,4)")
-    p.add_argument("--groups", type=_csv_int, default=(32, 64), help="comma list of group sizes (default 32,64)")
+    p.add_argument("--bits", type=comma_list(int, nonempty=True), default=(2, 4), help="comma list (default 2,4)")
+    p.add_argument("--groups", type=comma_list(int, nonempty=True), default=(32, 64),
+                   help="comma list of group sizes (default 32,64)")
     p.add_argument("--kv-error", metavar="SETTINGS",
                    help="comma list of KV-cache settings (K8V8,K8V4,K4V4, K4V4g32, ...): also report each one's "
                         "per-layer attention-output error against the 16-bit cache, with and without protection")

@@ -30,36 +30,11 @@ PACKAGED_METHODS = ("full", "snapkv", "rkv", "rkv_official", "curdkv", "vase_att
                     "triattention")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def _csv(kind):
-    def parse(text: str):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        try:
-            return tuple(kind(t) for t in items)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of {kind.__name__}") from None
-
-    return parse
-
-
-def _batch_size(text: str):
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from vase_jax.cli import Parser, comma_list, int_or_auto
     from vase_jax.evaluation.config import RANDOM_MODELS
 
-    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="hub id (Qwen/Qwen3-4B), HF checkpoint folder, or orbax folder (default: the "
                      "packaged varchain model)")
@@ -72,20 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "the official release file, or the authors' test.jsonl with --tests-dir)")
     p.add_argument("--tests-dir", help="livecodebench: folder of the authors' per-problem test files "
                    "(<global_id>.json, md5-checked); prompts from --data or the packaged test.jsonl")
-    p.add_argument("--methods", type=_csv(str),
+    p.add_argument("--methods", type=comma_list(str),
                    help="comma list: 'full' (no eviction) and policies of vj.eviction.METHODS (snapkv, rkv, "
                    "rkv_official, curdkv, vase_attnv, vase_dkv, h2o, keydiff, triattention, ablations; default: "
                    "full,vase_attnv; "
                    f"with the packaged model: {','.join(PACKAGED_METHODS)})")
-    p.add_argument("--budgets", type=_csv(int), help="comma list of KV budgets N (default: the task's)")
+    p.add_argument("--budgets", type=comma_list(int), help="comma list of KV budgets N (default: the task's)")
     p.add_argument("--calibration", help="triattention's query statistics file (default: the model folder's "
                    "triattention_stats.npz, made by scripts/calibrate.py)")
-    p.add_argument("--kv-bits", type=_csv(str),
+    p.add_argument("--kv-bits", type=comma_list(str),
                    help="comma list of cache settings, each run for every method and budget: bf16 (the 16-bit "
                    "cache, default) or K<bits>V<bits>[g<group>] (a mixed-precision cache: keys and values in 8 "
                    "or 4 bits, the slots of largest Range(v) and the recent B in 16 bits), e.g. bf16,K8V8,K4V4 "
                    "(default: bf16; with the packaged model: bf16,K8V8,K4V4)")
-    p.add_argument("--kv-methods", type=_csv(str),
+    p.add_argument("--kv-methods", type=comma_list(str),
                    help="the methods that run with the mixed-precision settings of --kv-bits (default: those of "
                    "--methods that run on that cache, every one but triattention; with the packaged model: "
                    "full,vase_dkv)")
@@ -109,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="default 0.6")
     p.add_argument("--top-p", type=float, help="default 0.95")
     p.add_argument("--top-k", type=int, help="default 0 (off)")
-    p.add_argument("--batch-size", type=_batch_size, help="rows of the batch (default: R); continuous: samples of "
+    p.add_argument("--batch-size", type=int_or_auto, help="rows of the batch (default: R); continuous: samples of "
                    "any problem, at most the samples left to run; static: rows per generate call, all of one "
                    "problem. 'auto' (continuous, one device): the most rows that fit the device, per method and "
                    "budget, planned with its compiler")

@@ -73,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def batch_arg(text: str):
+    """--batch: an integer or "auto" (`vase_jax.cli.int_or_auto`'s rule; not imported from there: importing the
+    library starts jax, which must read the target's environment, set in `main` after parsing)."""
     if text == "auto":
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor 'auto'") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
 
 
 def fail(message: str):

@@ -51,8 +51,9 @@ os.environ.setdefault("VASE_JAX_COMPILATION_CACHE", TEST_CACHE)  # scripts run b
 
 KINDS = ("unit", "program", "script", "aot")
 FILE_KINDS = {
-    "unit": ("test_tasks", "test_sandbox", "test_livecodebench", "test_eviction_methods", "test_eviction_scores",
-             "test_kernels", "test_quant_kernels", "test_kvquant", "test_analysis", "test_readme"),
+    "unit": ("test_cli", "test_tasks", "test_sandbox", "test_livecodebench", "test_eviction_methods",
+             "test_eviction_scores", "test_kernels", "test_quant_kernels", "test_kvquant", "test_analysis",
+             "test_readme"),
     "program": ("test_model", "test_generate", "test_batching", "test_tiers", "test_sharding", "test_layers",
                 "test_lowering", "test_weight_copies", "test_invariance", "test_kernels_generate", "test_replay",
                 "test_triattention", "test_eviction_framework", "test_jit", "test_weights", "test_kv_error",
