@@ -35,10 +35,12 @@ PROG = "plan.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vase_jax.cli import int_or_auto  # jax is imported, not started: the target's environment is set later
+
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="qwen3-0.6b ... qwen3-32b, tiny, small, or a local folder")
     p.add_argument("--mesh", default="data=1,model=1", help="data=D,model=M (default data=1,model=1)")
-    p.add_argument("--batch", type=batch_arg, required=True,
+    p.add_argument("--batch", type=int_or_auto, required=True,
                    help="rows generated together (global batch), or 'auto': the most the engine fits on one device")
     p.add_argument("--engine", action="store_true",
                    help="plan the continuous engine (vase_jax.batching.run) on --batch rows, not generate")
@@ -70,17 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "--batch auto: what it must fit (default per target: 139 GiB h200, 95 GiB v5p)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
-
-
-def batch_arg(text: str):
-    """--batch: an integer or "auto" (`vase_jax.cli.int_or_auto`'s rule; not imported from there: importing the
-    library starts jax, which must read the target's environment, set in `main` after parsing)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
 
 
 def fail(message: str):
