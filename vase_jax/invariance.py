@@ -37,6 +37,7 @@ from vase_jax.model import linear
 from vase_jax.target import Target
 
 BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 64)  # rows per device that the probe runs
+W_BLOCK_ROWS = 8192  # rows of the probe's weights drawn at a time (`_cancelling`)
 MAX_MIN_ROWS = 8  # padding a batch beyond this many rows would cost too much: beyond it, no promise
 # The fewest rows per device on each platform, measured or not (and the rule when nothing was measured: a lowering
 # for another platform, abstract weights). On XLA:CPU a batch of one also drops the unit batch axis of the
@@ -125,12 +126,20 @@ def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> t
     normal inputs missed while `generate`'s rows differed)."""
     half = k // 2
     u = rng.standard_normal((rows, half)) * 2.0 ** rng.integers(0, 12, (rows, half))
-    w0 = rng.standard_normal((n, half)) * k ** -0.5
-    x, w = np.zeros((rows, k)), np.zeros((n, k))
-    x[:, :half], x[:, half:2 * half] = u, -u
-    w[:, :half], w[:, half:2 * half] = w0, w0
+    # w0 [n, half], drawn in float64 blocks of rows and rounded once to `dtype` (float64 [n, k] copies of an LM head
+    # would take 6 GiB of host memory at Qwen3-14B's widths)
+    w0 = np.empty((n, half), dtype)
+    for start in range(0, n, W_BLOCK_ROWS):
+        stop = min(start + W_BLOCK_ROWS, n)
+        w0[start:stop] = rng.standard_normal((stop - start, half)) * k ** -0.5
     order = rng.permutation(k)  # partners apart, in no block structure a kernel could mirror
-    return np.asarray(x[:, order], dtype), jnp.asarray(w[:, order], dtype)
+    x = np.zeros((rows, k))
+    x[:, :half], x[:, half:2 * half] = u, -u
+    # column j of w holds w0's column order[j] mod half (u's partner -u sits at the other of the two); an odd k
+    # leaves one column of zeros
+    w = np.take(w0, order % half, axis=1)  # [n, k] (a masked column assignment took 36x as long)
+    w[:, order >= 2 * half] = 0
+    return np.asarray(x[:, order], dtype), jnp.asarray(w)
 
 
 def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
