@@ -137,7 +137,8 @@ def _cancelling(rng: np.random.Generator, rows: int, k: int, n: int, dtype) -> t
     x[:, :half], x[:, half:2 * half] = u, -u
     # column j of w holds w0's column order[j] mod half (u's partner -u sits at the other of the two); an odd k
     # leaves one column of zeros
-    w = np.take(w0, order % half, axis=1)  # [n, k] (a masked column assignment took 36x as long)
+    w = np.take(w0, order % half, axis=1) if half else np.zeros((n, k), dtype)  # [n, k] (a masked column
+    # assignment took 36x as long)
     w[:, order >= 2 * half] = 0
     return np.asarray(x[:, order], dtype), jnp.asarray(w)
 
