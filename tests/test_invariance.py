@@ -9,6 +9,7 @@ the tests above would fail without the padding."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,15 +21,19 @@ import numpy as np
 import pytest
 
 import vase_jax as vj
+from vase_jax import invariance
 from vase_jax.config import Qwen3Config
 from vase_jax.invariance import (
     BATCHES,
     DEFAULT_MIN_ROWS,
+    RULES_FOLDER,
     RowRule,
     _cancelling,
     padded_rows,
     probe_shapes,
     rule_for,
+    rule_key,
+    rules_folder,
 )
 from vase_jax.random_model import HEAD_SCALE, random_model
 from vase_jax.target import Target
@@ -114,6 +119,57 @@ def test_probe_rule_and_padding():
     unmeasured = rule_for(CFG, jnp.bfloat16, Target.make("tpu"))  # no TPU here: the documented default
     assert unmeasured.min_rows == DEFAULT_MIN_ROWS["tpu"] and not unmeasured.invariant
     assert rule_for(CFG, jnp.float32, Target.make("cpu")) is rule_for(CFG, jnp.float32, Target.make("cpu"))  # cached
+
+
+def test_rules_are_kept_on_disk_and_probed_once_per_machine(tmp_path, monkeypatch):
+    """With a rules folder (the persistent compilation cache's: the suite's is on), a rule is probed once and then
+    read from disk by any process (here: this one, its per-process cache cleared); another dtype or width is
+    probed; an unreadable file is probed again and rewritten; without a folder nothing is written."""
+    assert rules_folder() == Path(jax.config.jax_compilation_cache_dir) / RULES_FOLDER  # the suite's cache is on
+    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=32, max_position_embeddings=64)  # widths no other test probes
+    probed = []
+
+    def counting_probe(**kw):
+        probed.append((kw["dtype"], kw["hidden"]))
+        return probe_shapes(**kw)
+
+    monkeypatch.setattr(invariance, "probe_shapes", counting_probe)
+    monkeypatch.setattr(invariance, "rules_folder", lambda: tmp_path)
+
+    def rule(c=cfg, dtype=jnp.float32) -> RowRule:
+        invariance._cached_rule.cache_clear()  # as a new process
+        return rule_for(c, dtype, Target.make("cpu"))
+
+    first = rule()
+    files = list(tmp_path.glob("*.json"))
+    assert len(probed) == 1 and len(files) == 1
+    assert rule() == first and len(probed) == 1  # read back whole, not probed
+    rule(dtype=jnp.bfloat16)
+    rule(c=dataclasses.replace(cfg, hidden_size=96))
+    assert len(probed) == 3 and len(list(tmp_path.glob("*.json"))) == 3
+    files[0].write_text("{not json")
+    assert rule() == first and len(probed) == 4
+    assert json.loads(files[0].read_text())["min_rows"] == first.min_rows  # rewritten
+    monkeypatch.setattr(invariance, "rules_folder", lambda: None)
+    rule(dtype=jnp.bfloat16)
+    assert len(probed) == 5 and len(list(tmp_path.glob("*.json"))) == 3
+    invariance._cached_rule.cache_clear()
+
+
+def test_rule_key_covers_what_changes_the_kernels(monkeypatch):
+    """Another dtype, width, device kind, XLA flags or matmul precision is another rule on disk."""
+    widths = (64, 64, 32, 160, 320)
+    key = rule_key("cpu", "cpu", "float32", widths)
+    assert key == rule_key("cpu", "cpu", "float32", widths)
+    others = {rule_key("cpu", "cpu", "bfloat16", widths), rule_key("cpu", "cpu", "float32", (64, 64, 32, 160, 321)),
+              rule_key("cpu", "other cpu", "float32", widths)}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    others.add(rule_key("cpu", "cpu", "float32", widths))
+    monkeypatch.delenv("XLA_FLAGS")
+    with jax.default_matmul_precision("highest"):
+        others.add(rule_key("cpu", "cpu", "float32", widths))
+    assert len(others) == 5 and key not in others
 
 
 def test_probe_inputs_show_the_order_of_a_sum_in_bfloat16():

@@ -15,9 +15,11 @@ holds (a float32 RMSNorm over head_dim, and the decode softmax's sum at 2 rows a
 that).
 
 `generate`, the continuous engine and `replay` run a batch of fewer rows than `min_rows` beside copies of its first
-row (per device, on a data mesh), so that every batch size takes the path of the larger ones. `rule_for` caches
-the rule per process (keyed by platform, device kind, dtype and shapes); `python -m vase_jax.check_invariance`
-prints it.
+row (per device, on a data mesh), so that every batch size takes the path of the larger ones. `rule_for` keeps
+the rule per process (keyed by platform, device kind, dtype and shapes) and, where JAX's persistent compilation cache
+is on (`vase_jax.jit.enable_compilation_cache`), in its folder too, keyed also by what else could change the kernels
+(`rule_key`): the probe then runs once per machine, not once per process. `python -m vase_jax.check_invariance`
+probes anew and prints the rule.
 
     rule = probe_shapes(hidden=1024, q_dim=2048, kv_dim=1024, mlp=3072, vocab=151936, dtype=jnp.bfloat16)
     rule.min_rows   # e.g. 2: a lone row runs beside one copy
@@ -27,10 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
+import platform as host
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from vase_jax.model import linear
@@ -38,6 +46,7 @@ from vase_jax.target import Target
 
 BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 64)  # rows per device that the probe runs
 W_BLOCK_ROWS = 8192  # rows of the probe's weights drawn at a time (`_cancelling`)
+RULES_FOLDER = "vase-jax-row-rules"  # `rule_for`'s rules on disk, in the persistent compilation cache's folder
 MAX_MIN_ROWS = 8  # padding a batch beyond this many rows would cost too much: beyond it, no promise
 # The fewest rows per device on each platform, measured or not (and the rule when nothing was measured: a lowering
 # for another platform, abstract weights). On XLA:CPU a batch of one also drops the unit batch axis of the
@@ -158,20 +167,91 @@ def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
 
 
 @functools.cache
+def _sources_digest() -> str:
+    """A digest of the library's and the kernels' sources: a rule probed by other code is not reused."""
+    digest = hashlib.sha256()
+    for package in ("vase_jax", "pallas_kernels"):
+        root = Path(__file__).resolve().parents[1] / package
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _host_cpu() -> str:
+    """The host CPU as XLA:CPU compiles for it: /proc/cpuinfo's model name and instruction-set flags (Linux), else
+    what `platform` knows; and the CPUs this process may use."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = [line for line in fh if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [host.processor(), host.machine()]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return "".join(lines) + f"cpus {cpus}"
+
+
+def rule_key(platform: str, device: str, dtype: str, widths: tuple) -> str:
+    """The on-disk key of a rule: everything the probe's result may depend on. Its inputs (platform, device kind,
+    dtype, widths, `BATCHES`), the software that compiles and runs it (jax, jaxlib, the backend's platform version,
+    XLA_FLAGS and LIBTPU_INIT_ARGS, the default matmul precision, the library's sources) and the host CPU (its model,
+    instruction sets and usable CPUs: a CPU backend's kernels follow them)."""
+    backend = jax.devices("gpu" if platform in ("cuda", "rocm") else platform)[0].client
+    parts = [platform, device, dtype, list(widths), list(BATCHES), jax.__version__, jaxlib.__version__,
+             backend.platform_version, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+             str(jax.config.jax_default_matmul_precision), _sources_digest(), _host_cpu()]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def rules_folder() -> Path | None:
+    """Where `rule_for` keeps rules on disk: `RULES_FOLDER` in JAX's persistent compilation cache folder while that
+    cache is on, else None (rules are then kept per process only)."""
+    folder = jax.config.jax_compilation_cache_dir
+    return Path(folder) / RULES_FOLDER if folder and jax.config.jax_enable_compilation_cache else None
+
+
+def _load_rule(path: Path) -> RowRule | None:
+    """The rule stored at `path`, or None (none there, or unreadable: it is probed again and rewritten)."""
+    try:
+        d = json.loads(path.read_text())
+        return RowRule(int(d["min_rows"]), bool(d["invariant"]),
+                       tuple((str(op), tuple(int(m) for m in ms)) for op, ms in d["differs"]), str(d["platform"]),
+                       str(d["device"]), str(d["dtype"]), tuple(int(m) for m in d["batches"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_rule(path: Path, rule: RowRule) -> None:
+    """`rule` as JSON at `path`, written whole (a temporary file renamed: processes probing at once each write a
+    complete file); a folder that cannot be written is left alone (the rule stays per process)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(rule)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@functools.cache
 def _cached_rule(platform: str, device: str, dtype: str, widths: tuple) -> RowRule:
-    hidden, q_dim, kv_dim, mlp, vocab = widths
-    rule = probe_shapes(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, mlp=mlp, vocab=vocab, dtype=dtype,
-                        target=Target.make(platform))
+    folder = rules_folder()
+    path = folder / f"{rule_key(platform, device, dtype, widths)}.json" if folder else None
+    rule = _load_rule(path) if path else None
+    if rule is None:
+        hidden, q_dim, kv_dim, mlp, vocab = widths
+        rule = probe_shapes(hidden=hidden, q_dim=q_dim, kv_dim=kv_dim, mlp=mlp, vocab=vocab, dtype=dtype,
+                            target=Target.make(platform))
+        if path:
+            _store_rule(path, rule)
     if not rule.invariant:
         warnings.warn(f"vase_jax: {rule.describe()}", RuntimeWarning, stacklevel=3)
     return rule
 
 
 def rule_for(cfg, dtype, target: Target, probe: bool = True) -> RowRule:
-    """The `RowRule` of a model of config `cfg` in `dtype` on `target`'s platform, probed once per process (a
-    `RuntimeWarning` once when invariance cannot be promised). Without `probe`, or for a platform with no devices
-    here (a program lowered for another platform), the documented default `DEFAULT_MIN_ROWS` (not measured, so
-    not promised)."""
+    """The `RowRule` of a model of config `cfg` in `dtype` on `target`'s platform, probed once per process, or once
+    per machine where the persistent compilation cache is on (`rules_folder`; a `RuntimeWarning` once per process
+    when invariance cannot be promised). Without `probe`, or for a platform with no devices here (a program
+    lowered for another platform), the documented default `DEFAULT_MIN_ROWS` (not measured, so not promised)."""
     platform, dtype = target.platform, jnp.dtype(dtype).name
     default = RowRule(DEFAULT_MIN_ROWS[platform], False, (), platform, "not measured", dtype)
     if not probe:
