@@ -39,8 +39,10 @@ MODEL_SETUP = """
 import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 import vase_jax as vj
+from vase_jax.jit import enable_compilation_cache
 from vase_jax.random_model import HEAD_SCALE, TINY, random_model
 from vase_jax.sharding import make_mesh, shard_model
+enable_compilation_cache()  # the suite's ($VASE_JAX_COMPILATION_CACHE): programs and probed rules shared
 cfg = dataclasses.replace(TINY, num_heads=16, num_kv_heads=8, head_dim=16, vocab_size=512)
 model = random_model(cfg, head_scale=HEAD_SCALE)
 rng = np.random.default_rng(0)
