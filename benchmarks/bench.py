@@ -5,8 +5,8 @@ setting, against a memory-bandwidth roofline:
 
 --kv-bits adds a row per mixed-precision cache (and `full`'s step on each); --micro times the pieces alone (a decode
 step, an eviction event), no `generate`; --workload aime25 measures and projects the AIME25 protocol (--scale tiny:
-its CPU copy). `--model`: a hub id, an HF folder or a named random model (`random_model.named_configs`, shrunk by
---layers, --vocab, --hidden, --intermediate). Generations are greedy and fixed-length. How each figure is obtained:
+its CPU copy). `--model`: a hub id, an HF folder or a named random model (`random_model.named_or_pretrained`, shrunk
+by --layers, --vocab, --hidden, --intermediate). Generations are greedy and fixed-length. How each figure is obtained:
 docs/BENCHMARKS.md, "How the figures are obtained"."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vase_jax.eviction import METHODS, EvictionConfig, framework
 from vase_jax.generate import MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
 from vase_jax.kvquant import KVBits, token_bytes
-from vase_jax.random_model import named_configs, shrink
+from vase_jax.random_model import named_or_pretrained
 
 PAPER_METHODS = ("full", "snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv")
 DEFAULTS = {"model": "qwen3-0.6b", "prompt_len": 128, "methods": "full,vase_attnv,vase_dkv", "budgets": [512],
@@ -142,20 +142,6 @@ def with_calibration(configs: list[EvictionConfig], model: vj.Qwen3, args) -> li
         framework.check_model(ev, model.cfg)
         out.append(ev)
     return out
-
-
-def load_model(args: argparse.Namespace, dtype) -> tuple[vj.Qwen3, str]:
-    """(model, description): a named random model, or a checkpoint folder / hub id."""
-    named, name = named_configs(), args.model.lower()
-    if name in named:
-        cfg = shrink(named[name], args.layers, args.vocab, args.hidden, args.intermediate)
-        return vj.Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), (
-            f"{name} (random weights, {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp {cfg.intermediate_size}, "
-            f"vocab {cfg.vocab_size})")
-    if any(getattr(args, n) is not None for n in ("layers", "vocab", "hidden", "intermediate")):
-        raise ValueError(f"--layers / --vocab / --hidden / --intermediate apply to named random models "
-                         f"({', '.join(named)}) only, not to --model={args.model!r}")
-    return vj.Qwen3.from_pretrained(args.model, dtype=dtype), args.model
 
 
 def row(ev: EvictionConfig, n: int, kv_bits: str = BF16, protected: int | None = None) -> dict:
@@ -452,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = check_args(args)
         dtype = getattr(jnp, args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
-        model, model_desc = load_model(args, dtype)
+        model, model_desc = named_or_pretrained(args.model, dtype, layers=args.layers, vocab=args.vocab,
+                                                hidden=args.hidden, intermediate=args.intermediate)
         configs = with_calibration(configs, model, args)
     except ValueError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)

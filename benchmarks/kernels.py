@@ -29,7 +29,7 @@ from benchmarks.report import num, table, write_results
 from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, time_runs
 from pallas_kernels import decode_tuning, get_decode_attention
 from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning
-from vase_jax.cli import comma_list
+from vase_jax.cli import Parser, at_least, comma_list
 from vase_jax.eviction.window_score import window_score
 
 # the device check's sweep: Qwen3-14B's heads (group 5) and 8B's (group 4), bf16; batches 128 and 64 in a cache of
@@ -198,18 +198,18 @@ def sweep_markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     start, platform = time.time(), jax.default_backend()
     on_accel = platform in ("gpu", "tpu")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="kernels.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--batches", type=comma_list(int), default=None, help="default 1,4,16 (CPU: 1,4)")
     a("--lengths", type=comma_list(int), default=None, help="used slots; default 1024,4096,16384,32768 (CPU: 256,1024)")
     a("--kv-heads", type=int, default=8)
     a("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
     a("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if on_accel else "float32")
-    a("--repeats", type=int, default=5, help="runs of each program (>= 3): the best counts")
+    a("--repeats", type=at_least(3), default=5, help="runs of each program (>= 3): the best counts")
     a("--interpret", action="store_true", help="on CPU: also run both kernel families in interpret mode")
-    a("--copy-mib", type=int, default=DEVICE_PROBE_BYTES >> 20 if on_accel else 64, help="MiB of the bandwidth probe")
-    a("--sweep-seconds", type=float, default=0.0, help="> 0: instead, `sweep_decode` on SWEEP_SHAPES (CPU: interpret "
-      "mode on --batches x --lengths, which must be given) ending about this long after the start")
+    a("--copy-mib", type=at_least(1), default=DEVICE_PROBE_BYTES >> 20 if on_accel else 64, help="bandwidth probe MiB")
+    a("--sweep-seconds", type=at_least(0, float), default=0.0, help="> 0: instead, `sweep_decode` on SWEEP_SHAPES "
+      "(CPU: interpret mode on --batches x --lengths, which must be given) ending about this long after the start")
     a("--out", default=None, help="folder for results.json and results.md")
     args = p.parse_args(argv)
     explicit = args.batches is not None or args.lengths is not None
@@ -219,8 +219,6 @@ def main(argv: list[str] | None = None) -> dict:
                   for n in args.lengths or ([1024, 4096, 16384, 32768] if on_accel else [256, 1024])]
     except ValueError as e:
         p.error(str(e))
-    if args.repeats < 3 or args.copy_mib < 1 or args.sweep_seconds < 0:
-        p.error("--repeats must be >= 3, --copy-mib >= 1, --sweep-seconds >= 0")
     if args.sweep_seconds and (platform == "tpu" or platform == "cpu" and not explicit):
         p.error("--sweep-seconds times the Triton kernel: on a GPU, or on CPU with tiny --batches and --lengths")
 

@@ -44,13 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     import vase_jax as vj
     from benchmarks.timing import cpu_model, load_warning, time_runs
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
-    from vase_jax.random_model import named_configs, shrink
+    from vase_jax.random_model import named_configs, named_or_pretrained
 
     def takes_calibration(m: str) -> bool:
         return m in METHODS and "calibration" in METHODS[m].option_names
@@ -64,19 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"compare_methods.py: error: {e}", file=sys.stderr)
         return 2
-    dtype = getattr(jnp, args.dtype)
-    if args.model:
-        model = vj.Qwen3.from_pretrained(args.model, dtype=dtype)
-        name = args.model
-    else:
-        configs_by_name = named_configs()
-        if args.config.lower() not in configs_by_name:
-            print(f"compare_methods.py: error: --config {args.config!r}; allowed: {', '.join(configs_by_name)}",
-                  file=sys.stderr)
-            return 2
-        model = vj.Qwen3(shrink(configs_by_name[args.config.lower()], layers=args.layers), dtype=dtype,
-                         rngs=nnx.Rngs(0))
-        name = f"random {args.config} ({args.layers} layers)"
+    if not args.model and args.config.lower() not in named_configs():
+        print(f"compare_methods.py: error: --config {args.config!r}; allowed: {', '.join(named_configs())}",
+              file=sys.stderr)
+        return 2
+    model, name = named_or_pretrained(args.model or args.config, getattr(jnp, args.dtype),
+                                      layers=None if args.model else args.layers)
     cfg = model.cfg
     load_start = os.getloadavg()
     warning = load_warning(load_start[0])

@@ -1,5 +1,5 @@
 """Random Qwen3 models for offline smoke runs, tests and benchmarks: one definition of the tiny shape, and the
-named shapes (`named_configs`) that scripts and benchmarks take as `--model NAME`.
+named shapes (`named_configs`) that scripts and benchmarks take as `--model NAME` (`named_or_pretrained`).
 
 `TINY` is the shape of the test fixtures (2 layers, 4 query / 2 kv heads, head_dim 32) with the real Qwen3
 vocabulary, so the packaged tokenizer's ids are valid; `TINY_1K` is the same shape with a 1024-token vocabulary
@@ -16,6 +16,7 @@ from importlib import resources
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from vase_jax.config import NORM_PARAMS, PARAM_AXES, Qwen3Config
 from vase_jax.model import Qwen3
@@ -84,3 +85,20 @@ def shrink(cfg: Qwen3Config, layers: int | None = None, vocab: int | None = None
     return dataclasses.replace(cfg, num_layers=layers or cfg.num_layers, vocab_size=vocab or cfg.vocab_size,
                                hidden_size=hidden or cfg.hidden_size,
                                intermediate_size=intermediate or cfg.intermediate_size)
+
+
+def named_or_pretrained(model: str, dtype, *, layers: int | None = None, vocab: int | None = None,
+                        hidden: int | None = None, intermediate: int | None = None) -> tuple[Qwen3, str]:
+    """`--model` as the benchmarks take it: a named shape (`named_configs`, changed by `shrink`) with Flax's
+    initial weights (`nnx.Rngs(0)`), else a checkpoint folder or hub id (`Qwen3.from_pretrained`; the shape options
+    are then a ValueError). Returns (the model, a description for reports)."""
+    named, name = named_configs(), model.lower()
+    if name in named:
+        cfg = shrink(named[name], layers, vocab, hidden, intermediate)
+        return Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), (
+            f"{name} (random weights, {cfg.num_layers} layers, hidden {cfg.hidden_size}, mlp {cfg.intermediate_size}, "
+            f"vocab {cfg.vocab_size})")
+    if any(v is not None for v in (layers, vocab, hidden, intermediate)):
+        raise ValueError(f"--layers / --vocab / --hidden / --intermediate apply to named random models "
+                         f"({', '.join(named)}) only, not to --model={model!r}")
+    return Qwen3.from_pretrained(model, dtype=dtype), model
