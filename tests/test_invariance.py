@@ -126,6 +126,12 @@ def test_rules_are_kept_on_disk_and_probed_once_per_machine(tmp_path, monkeypatc
     read from disk by any process (here: this one, its per-process cache cleared); another dtype or width is
     probed; an unreadable file is probed again and rewritten; without a folder nothing is written."""
     assert rules_folder() == Path(jax.config.jax_compilation_cache_dir) / RULES_FOLDER  # the suite's cache is on
+    folder = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", "gs://bucket/cache")  # remote: rules stay per process
+        assert rules_folder() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", folder)
     cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=32, max_position_embeddings=64)  # widths no other test probes
     probed = []

@@ -203,9 +203,10 @@ def rule_key(platform: str, device: str, dtype: str, widths: tuple) -> str:
 
 def rules_folder() -> Path | None:
     """Where `rule_for` keeps rules on disk: `RULES_FOLDER` in JAX's persistent compilation cache folder while that
-    cache is on, else None (rules are then kept per process only)."""
+    cache is on and local, else None (rules are then kept per process only; a remote cache such as gs://... too)."""
     folder = jax.config.jax_compilation_cache_dir
-    return Path(folder) / RULES_FOLDER if folder and jax.config.jax_enable_compilation_cache else None
+    local = folder and "://" not in str(folder) and jax.config.jax_enable_compilation_cache
+    return Path(folder) / RULES_FOLDER if local else None
 
 
 def _load_rule(path: Path) -> RowRule | None:
