@@ -108,6 +108,7 @@ def test_smoke_schedule_and_cache_bytes(smoke):
     (["--prefill-chunk", "8"], "--prefill-chunk"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--model", "tiny-1k", "--layers", "0"], "--layers=0"),
+    (["--model", "/no/such/folder", "--layers", "2"], "apply to named random models"),
     (["--workload", "aime25", "--seconds", "0"], "--seconds: '0': must be > 0"),
     (["--workload", "aime25", "--kv-bits", "K8V8"], "not allowed with"),
     (["--budgets", "512,0"], "--budgets: '512,0': must be >= 1"),
