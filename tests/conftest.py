@@ -14,8 +14,6 @@ checkpoints, compiled programs) are built once, not once per worker. The files g
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -26,25 +24,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
-from vase_jax.jit import enable_compilation_cache  # noqa: E402
-
-
-def _source_digest() -> str:
-    """A digest of the library's sources: JAX's cache key leaves out the programs' metadata (names of scopes),
-    which some tests read, so a program compiled by other code must not be loaded."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256()
-    for folder in ("vase_jax", "pallas_kernels"):
-        for path in sorted(glob.glob(os.path.join(root, folder, "**", "*.py"), recursive=True)):
-            with open(path, "rb") as fh:
-                digest.update(path[len(root):].encode() + fh.read())
-    return digest.hexdigest()[:16]
-
+from vase_jax.jit import enable_compilation_cache, sources_digest  # noqa: E402
 
 # One persistent compilation cache for the whole suite, shared by the xdist workers (and kept between runs of the
-# same sources): a program that one worker compiled, or that the mapping guard below released, is loaded.
+# same sources): a program that one worker compiled, or that the mapping guard below released, is loaded. Its folder
+# is named by the sources' digest: JAX's cache key leaves out the programs' metadata (names of scopes), which some
+# tests read, so a program compiled by other code must not be loaded.
 TEST_CACHE = os.environ.get("VASE_JAX_TEST_COMPILATION_CACHE", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla-tests", _source_digest()))
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla-tests", sources_digest()[:16]))
 enable_compilation_cache(TEST_CACHE, min_compile_seconds=0.2)
 os.environ.setdefault("VASE_JAX_COMPILATION_CACHE", TEST_CACHE)  # scripts run by the tests use it too
 

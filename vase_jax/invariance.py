@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from vase_jax.jit import sources_digest
 from vase_jax.model import linear
 from vase_jax.target import Target
 
@@ -166,17 +167,6 @@ def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
     return tuple(bad)
 
 
-@functools.cache
-def _sources_digest() -> str:
-    """A digest of the library's and the kernels' sources: a rule probed by other code is not reused."""
-    digest = hashlib.sha256()
-    for package in ("vase_jax", "pallas_kernels"):
-        root = Path(__file__).resolve().parents[1] / package
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
 def _host_cpu() -> str:
     """The host CPU as XLA:CPU compiles for it: /proc/cpuinfo's model name and instruction-set flags (Linux), else
     what `platform` knows; and the CPUs this process may use."""
@@ -197,7 +187,7 @@ def rule_key(platform: str, device: str, dtype: str, widths: tuple) -> str:
     backend = jax.devices("gpu" if platform in ("cuda", "rocm") else platform)[0].client
     parts = [platform, device, dtype, list(widths), list(BATCHES), jax.__version__, jaxlib.__version__,
              backend.platform_version, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-             str(jax.config.jax_default_matmul_precision), _sources_digest(), _host_cpu()]
+             str(jax.config.jax_default_matmul_precision), sources_digest(), _host_cpu()]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

@@ -20,6 +20,7 @@ by default, in `compilation_cache_dir()`; the library itself leaves JAX's settin
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -149,6 +150,19 @@ def mapping_limit() -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A sha256 digest of the library's and the kernels' sources (vase_jax/ and pallas_kernels/, every .py file
+    with its path): what a process keeps on disk from one version of the code (a probed `RowRule`, the test
+    suite's compiled programs) is not reused by another."""
+    digest = hashlib.sha256()
+    for package in ("vase_jax", "pallas_kernels"):
+        root = Path(__file__).resolve().parents[1] / package
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 def compilation_cache_dir() -> Path:
