@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from vase_jax.jit import host_cpu
 
 QUIET_LOAD = 1.2  # a 1-minute load average above this distorts CPU timings (and their ratios)
 # Bytes of the bandwidth probe on an accelerator: one pass must dwarf a call's dispatch and sync (an H200 read
@@ -94,15 +95,6 @@ def bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
     return {"read": num_bytes / read, "copy": 2 * num_bytes / time_runs(add_one, repeats, warmup=1).min}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def load_warning(load: float) -> str | None:
     """A warning when the machine is busy, or None."""
     return None if load <= QUIET_LOAD else (
@@ -118,6 +110,7 @@ def device_desc() -> str:
 def machine(load_start: tuple[float, ...]) -> dict:
     """Where and when a figure was taken: device, host CPU, jax, the load average at the start and now."""
     load_end = os.getloadavg()
-    return {"device": device_desc(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in load_end],
+    return {"device": device_desc(), "cpu_model": host_cpu()["model name"], "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "load_start": [round(x, 2) for x in load_start],
+            "load_end": [round(x, 2) for x in load_end],
             "load_warning": load_warning(max(load_start[0], load_end[0])), "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import vase_jax as vj
-    from benchmarks.timing import cpu_model, load_warning, time_runs
+    from benchmarks.timing import load_warning, time_runs
     from vase_jax.eviction import METHODS, framework
     from vase_jax.generate import prefill
+    from vase_jax.jit import host_cpu
     from vase_jax.random_model import named_configs, named_or_pretrained
 
     def takes_calibration(m: str) -> bool:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": name, "budget": args.budget, "buffer": args.buffer, "batch": args.batch,
             "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "dtype": args.dtype, "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "cpu_model": cpu_model(), "repeats": args.repeats,
+            "device": jax.devices()[0].device_kind, "cpu_model": host_cpu()["model name"], "repeats": args.repeats,
             "load_start": [round(x, 2) for x in load_start], "load_end": [round(x, 2) for x in os.getloadavg()]}
     (out / "methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Model: {name}, {args.dtype}; N={args.budget}, B={args.buffer}, batch {args.batch}, "

@@ -32,7 +32,6 @@ import functools
 import hashlib
 import json
 import os
-import platform as host
 import warnings
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from vase_jax.jit import sources_digest
+from vase_jax.jit import host_cpu, sources_digest
 from vase_jax.model import linear
 from vase_jax.target import Target
 
@@ -167,18 +166,6 @@ def _differing(run, rows: int, batches, chunks: int = 4) -> tuple[int, ...]:
     return tuple(bad)
 
 
-def _host_cpu() -> str:
-    """The host CPU as XLA:CPU compiles for it: /proc/cpuinfo's model name and instruction-set flags (Linux), else
-    what `platform` knows; and the CPUs this process may use."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = [line for line in fh if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = [host.processor(), host.machine()]
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return "".join(lines) + f"cpus {cpus}"
-
-
 def rule_key(platform: str, device: str, dtype: str, widths: tuple) -> str:
     """The on-disk key of a rule: everything the probe's result may depend on. Its inputs (platform, device kind,
     dtype, widths, `BATCHES`), the software that compiles and runs it (jax, jaxlib, the backend's platform version,
@@ -187,7 +174,7 @@ def rule_key(platform: str, device: str, dtype: str, widths: tuple) -> str:
     backend = jax.devices("gpu" if platform in ("cuda", "rocm") else platform)[0].client
     parts = [platform, device, dtype, list(widths), list(BATCHES), jax.__version__, jaxlib.__version__,
              backend.platform_version, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-             str(jax.config.jax_default_matmul_precision), sources_digest(), _host_cpu()]
+             str(jax.config.jax_default_matmul_precision), sources_digest(), json.dumps(host_cpu())]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

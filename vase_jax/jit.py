@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import warnings
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,19 @@ def sources_digest() -> str:
             digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
     return digest.hexdigest()
 
+
+
+def host_cpu() -> dict[str, str | int]:
+    """The host CPU as XLA:CPU compiles for it: /proc/cpuinfo's "model name" and instruction-set "flags" (Linux;
+    elsewhere what `platform` knows, and no flags) and "cpus", the CPUs this process may use."""
+    cpu = {"model name": platform.processor() or platform.machine(), "flags": ""}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            found = dict(line.split(":", 1) for line in fh if line.startswith(("model name", "flags")))
+        cpu |= {key.strip(): value.strip() for key, value in found.items()}
+    except OSError:
+        pass
+    return cpu | {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 def compilation_cache_dir() -> Path:
     """Where the persistent compilation cache lives: $VASE_JAX_COMPILATION_CACHE, else
