@@ -28,11 +28,12 @@ from flax import nnx
 import vase_jax as vj
 from benchmarks import decode_step as ds
 from benchmarks import workload as wl
-from benchmarks.report import method_label, num, spread, table, write_results
+from benchmarks.report import num, spread, table, write_results
 from benchmarks.timing import bandwidth, decode_rate, device_desc, load_warning, machine, time_turns
 from vase_jax import planner
 from vase_jax.cache import cache_bytes
 from vase_jax.cli import Parser, at_least, checked, comma_list
+from vase_jax.evaluation.config import BF16, kv_name
 from vase_jax.eviction import METHODS, EvictionConfig, framework
 from vase_jax.generate import MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
@@ -45,16 +46,6 @@ DEFAULTS = {"model": "qwen3-0.6b", "prompt_len": 128, "methods": "full,vase_attn
 # --workload aime25 --scale S: the protocol's shape and S's defaults (before DEFAULTS; flags given win)
 AIME25_SCALES = {"protocol": (wl.AIME25, {"model": "qwen3-14b", "dtype": "bfloat16", "budgets": [2048]}),
                  "tiny": (wl.AIME25_TINY, {"model": "tiny-1k", "budgets": [32], "buffer": 8, "batch": 6})}
-BF16 = "K16V16"  # the 16-bit cache's `KVBits` name
-
-
-def kv_settings(text: str) -> list[str]:
-    """--kv-bits: canonical `KVBits` names, bf16 first."""
-    try:
-        names = [KVBits.parse(t.strip()).validate().name for t in text.split(",") if t.strip()]
-        return list(dict.fromkeys([BF16, *names]))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--bandwidth-mib", type=positive, default=512, help="array size of the bandwidth measurement")
     a("--micro", action="store_true", help="a step at each run's last length and an eviction event alone, no generate")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--kv-bits", type=kv_settings, help="comma list of caches (bf16, K8V8, K4V4, K<b>V<b>g<group>)")
+    mode.add_argument("--kv-bits", type=comma_list(str), help="comma list of caches: bf16, K8V8, K4V4, K<b>V<b>g<g>")
     mode.add_argument("--workload", choices=("aime25",), help="the AIME25 protocol, measured and projected")
     a("--scale", choices=tuple(AIME25_SCALES), default="protocol", help="aime25: the protocol or its CPU copy")
     a("--seconds", type=above_0, default=120.0, help="aime25: measuring seconds per method (plan, compile on top)")
@@ -94,22 +85,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
     """The checks that span flags (ValueError naming the flag), the defaults filled in (--workload aime25: its
     scale's); returns the configurations (one that takes a calibration is validated with the model)."""
-    if args.workload:
-        if args.micro:
-            raise ValueError("--micro is the decode mode's: drop --workload")
-        shape, defaults = AIME25_SCALES[args.scale]
-        defaults = defaults | {"methods": "vase_dkv,vase_attnv,full", "prompt_len": shape["prompt_len"]}
-        for name, value in defaults.items():
-            if getattr(args, name) is None and not (name == "batch" and args.device_gb is not None):
-                setattr(args, name, value)
-        if args.prompt_len + 2 > shape["total_tokens"]:
-            raise ValueError(f"--prompt-len={args.prompt_len}: a sample holds {shape['total_tokens']} tokens at most")
-    elif args.scale != "protocol":
+    shape, scale = AIME25_SCALES[args.scale] if args.workload else (None, {})
+    if args.workload and args.micro:
+        raise ValueError("--micro is the decode mode's: drop --workload")
+    if not args.workload and args.scale != "protocol":
         raise ValueError("--scale applies to --workload aime25")
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None and not (name == "batch" and args.workload):
+    if shape:
+        scale = scale | {"methods": "vase_dkv,vase_attnv,full", "prompt_len": shape["prompt_len"]}
+    for name, value in (DEFAULTS | scale).items():  # aime25's batch: its scale's, else planned (or --device-gb's)
+        if getattr(args, name) is None and not (name == "batch" and shape and (args.device_gb or "batch" not in scale)):
             setattr(args, name, value)
+    if shape and args.prompt_len + 2 > shape["total_tokens"]:
+        raise ValueError(f"--prompt-len={args.prompt_len}: a sample holds {shape['total_tokens']} tokens at most")
     args.output_lens = sorted(set(args.output_lens))
+    if args.kv_bits:  # canonical names, the 16-bit cache's first
+        args.kv_bits = list(dict.fromkeys([BF16, *map(kv_name, args.kv_bits)]))
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     names = list(dict.fromkeys({"paper": PAPER_METHODS, "all": ["full", *sorted(METHODS)]}.get(",".join(names),
                                                                                                   names)))
@@ -145,15 +135,11 @@ def with_calibration(configs: list[EvictionConfig], model: vj.Qwen3, args) -> li
 
 
 def row(ev: EvictionConfig, n: int, kv_bits: str = BF16, protected: int | None = None) -> dict:
-    """What names a decode-mode row: method, budget, buffer, output length, cache setting and its 16-bit slots P."""
-    return {"method": ev.method, "budget": ev.budget if ev.evicts else None, "buffer": ev.buffer if ev.evicts
-            else None, "output_len": n, "kv_bits": kv_bits, "protected": protected}
-
-
-def label(r: dict) -> str:
-    """A row's label: "full", "vase_dkv@2048", on a mixed-precision cache "full K4V4 P=544"."""
-    setting = "" if r.get("kv_bits", BF16) == BF16 else f" {r['kv_bits']} P={r['protected']}"
-    return method_label(r["method"], r["budget"]) + setting
+    """What names a decode-mode row: its label ("full", "vase_dkv@2048", on a mixed-precision cache "full K4V4
+    P=544"), method, budget, buffer, output length, cache setting and its 16-bit slots P."""
+    setting = "" if kv_bits == BF16 else f" {kv_bits} P={protected}"
+    return {"label": ev.label + setting, "method": ev.method, "budget": ev.budget if ev.evicts else None,
+            "buffer": ev.buffer if ev.evicts else None, "output_len": n, "kv_bits": kv_bits, "protected": protected}
 
 
 # ---- measurements ------------------------------------------------------------------------------------------
@@ -317,7 +303,7 @@ def col(key: str, spec: str = ".1f", scale: float = 1.0, suffix: str = "") -> Ca
 
 
 COLUMNS = {  # the decode mode's table; `columns` picks them per mode
-    "method": label, "out len": col("output_len", ".0f"), "live slots": col("live_slots_end", ".0f"),
+    "method": col("label"), "out len": col("output_len", ".0f"), "live slots": col("live_slots_end", ".0f"),
     "decode tok/s med [min-max]": col("decode_tok_s"), "tok/s end": col("tok_s_end"),
     "step ms end": col("step_ms_end", ".2f"), "prefill ms": col("prefill_s", ".1f", 1e3), "compile s": col("compile_s"),
     "evict ms/event": col("evict_ms", ".2f"), "event / (B steps)": col("eviction_share", ".1f", 100, "%"),
@@ -390,12 +376,12 @@ def decode_markdown(result: dict, model_desc: str) -> str:
             f"{m['batch']}, prompt {m['prompt_len']} (bucket {m['prompt_bucket']}); {m['repeats']} timed runs "
             f"(settings in turns); layer loop {m['layer_loop']}. Read bandwidth {bw['read'] / 1e9:.1f} GB/s, "
             f"in-place copy {bw['copy'] / 1e9:.1f} GB/s.", "", *table(runs, columns(m))]
-    text += [f"- {label(r)} n={r['output_len']}: skipped ({r['skipped']})" for r in result["runs"] if "skipped" in r]
+    text += [f"- {r['label']} n={r['output_len']}: skipped ({r['skipped']})" for r in result["runs"] if "skipped" in r]
     steps = [(r, kv) for r in runs for kv in r.get("kv", [])]
     text += [""] * bool(steps) + [
-        f"- {label(r)} at {r['output_len']} tokens on {kv['kv_bits']} (P = {kv['protected']}, {kv['quantized_slots']} "
-        f"of {r['live_slots_end']} live slots quantized): step {kv['step_ms']:.2f} ms, {kv['x_bf16_step']:.2f}x the "
-        f"16-bit cache's, {kv['bytes_per_step'] / 1e6:.1f} MB read" for r, kv in steps]
+        f"- {r['label']} at {r['output_len']} tokens on {kv['kv_bits']} (P = {kv['protected']}, "
+        f"{kv['quantized_slots']} of {r['live_slots_end']} live slots quantized): step {kv['step_ms']:.2f} ms, "
+        f"{kv['x_bf16_step']:.2f}x the 16-bit cache's, {kv['bytes_per_step'] / 1e6:.1f} MB read" for r, kv in steps]
     return "\n".join(text) + "\n"
 
 

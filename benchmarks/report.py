@@ -1,4 +1,4 @@
-"""How the benchmarks write their figures: numbers, method labels, markdown tables, JSON files."""
+"""How the benchmarks write their figures: numbers, markdown tables, JSON files."""
 
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ def num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = ""
 def spread(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
     """A `timing.Stat` dict as "median [min-max]" (times `scale`); "-" for None."""
     return "-" if stat is None else "{} [{}-{}]".format(*(num(stat[k], spec, scale) for k in ("median", "min", "max")))
-
-
-def method_label(method: str, budget: int | None = None) -> str:
-    """"full" (no budget), or "method@budget"."""
-    return f"{method}@{budget}" if budget else method
 
 
 def table(rows, columns: dict[str, Callable[[dict], object]]) -> list[str]:

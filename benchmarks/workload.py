@@ -14,7 +14,6 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.decode_step import row_replay
-from benchmarks.report import method_label
 from benchmarks.timing import Stat
 from vase_jax import batching, planner
 from vase_jax.eviction.config import EvictionConfig
@@ -166,7 +165,7 @@ def measure_engine(model: Qwen3, ev: EvictionConfig, make_requests: Callable[[li
                    log: Callable[[str], None]) -> dict:
     """Steps 1-4 of `aime25_workload` for one method on `rows` rows (after the compile): round_s, the windows, the
     fitted `StepModel` (slots counted as `reads`), the check and the projection. Returns the record."""
-    label, cap, t0 = method_label(ev.method, ev.evicts and ev.budget), config.max_new_tokens, time.perf_counter()
+    label, cap, t0 = ev.label, config.max_new_tokens, time.perf_counter()
 
     def timed(caps) -> tuple[float, batching.EngineStats, EngineSchedule]:  # their match recorded
         """Wall seconds of `batching.run` on samples of `caps` tokens, its stats and its simulated schedule."""
@@ -267,7 +266,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, shape: dict 
     out, common = {"meta": meta, "methods": []}, dict(target=device, config=config, prompt_len=prompt_len,
                                                       dtype=model.dtype, queue=queue)
     for ev in methods:
-        label = method_label(ev.method, ev.evicts and ev.budget)
+        label = ev.label
         rec: dict = {"label": label, "method": ev.method, "budget": ev.budget if ev.evicts else None,
                      "buffer": ev.buffer if ev.evicts else None}
         start = time.perf_counter()

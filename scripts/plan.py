@@ -276,8 +276,7 @@ def engine_main(args, cfg, compiler: str) -> int:
     if args.json:
         print(json.dumps(out))
         return 0 if out["batch"] > 0 else 1
-    label = args.method if args.method == "full" else f"{args.method}@{args.budget}"
-    print(f"{args.model}: continuous engine (batching.run), {label}, prompt {args.prompt} (bucket "
+    print(f"{args.model}: continuous engine (batching.run), {eviction.label}, prompt {args.prompt} (bucket "
           f"{plan.staged_slots}), {args.max_new_tokens} new tokens, {plan.capacity} cache slots per row, one "
           f"device ({compiler}):")
     if found is not None:

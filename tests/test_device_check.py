@@ -69,7 +69,7 @@ def test_decode_phase_and_report_on_cpu(device_check, tmp_path):
             "--bandwidth-mib": "16", "--out": str(tmp_path / "decode")}
     assert bench.main(device_check.flags(device_check.DECODE | tiny)) == 0
     result = json.loads((tmp_path / "decode" / "results.json").read_text())
-    rows = {bench.label(r): r for r in result["runs"]}
+    rows = {r["label"]: r for r in result["runs"]}
     assert set(rows) == {"full", "vase_attnv@32"}
     for r in rows.values():
         roof = r["roofline"]

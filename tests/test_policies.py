@@ -35,6 +35,7 @@ def test_options_are_the_policys_own():
     assert EvictionConfig("h2o").options == METHODS["h2o"].options()  # no options: an empty dataclass
     with pytest.raises(AttributeError, match="projection_rank"):
         _ = EvictionConfig("snapkv").projection_rank
+    assert (ev.label, EvictionConfig("full").label) == ("rkv_official@64", "full")  # as tables and logs name them
 
 
 @pytest.mark.parametrize(

@@ -140,8 +140,9 @@ class EvalConfig:
         return dataclasses.asdict(self)
 
 
-def _kv_name(text: str) -> str:
-    """The canonical name of a --kv-bits entry ("bf16" -> "K16V16"); ValueError naming the flag."""
+def kv_name(text: str) -> str:
+    """The canonical name of a --kv-bits entry ("bf16" -> "K16V16", "k4v4" -> "K4V4"); ValueError naming the flag.
+    The name that records and benchmark rows carry."""
     try:
         return KVBits.parse(str(text)).validate().name
     except ValueError as e:
@@ -246,7 +247,7 @@ def resolve(
         _positive("batch-size", batch_size, allow_none=True)
     _positive("limit", limit, allow_none=True, minimum=0)
     _positive("kv-protected", kv_protected, allow_none=True, minimum=0)
-    kv_bits = tuple(dict.fromkeys(_kv_name(k) for k in (kv_bits or (BF16,))))
+    kv_bits = tuple(dict.fromkeys(kv_name(k) for k in (kv_bits or (BF16,))))
     if any(kv != BF16 for kv in kv_bits):
         # a method whose kept set is shared over layers (triattention) does not run on the mixed-precision cache:
         # left out of the default, refused when named

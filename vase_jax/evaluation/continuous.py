@@ -84,6 +84,6 @@ def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, sample
                                   prompt_len=prompt_len, dtype=model.dtype, samples=samples)
     if found.rows < 1:
         raise ValueError(f"--batch-size auto: {found.reason}")
-    print(f"--batch-size auto, {eviction.method}{'' if not eviction.evicts else f'@{eviction.budget}'}: "
+    print(f"--batch-size auto, {eviction.label}: "
           f"{found.rows} rows ({found.reason})", file=sys.stderr)
     return found.rows

@@ -110,6 +110,11 @@ class EvictionConfig:
     def evicts(self) -> bool:
         return self.method != NO_EVICTION
 
+    @property
+    def label(self) -> str:
+        """How tables and logs name the configuration: "full", or "method@budget" ("vase_dkv@2048")."""
+        return f"{self.method}@{self.budget}" if self.evicts else self.method
+
     def fires(self, seen):
         """The reference's eviction trigger on `seen` real tokens, `n > N and n % B == 0` (never for "full").
         Python ints or int32 arrays."""
