@@ -46,19 +46,6 @@ HEAD_DIM, WINDOW = 128, 64  # Qwen3's head_dim; the eviction score's window quer
 DecodeShape = namedtuple("DecodeShape", "batch kv_heads group head_dim slots dtype capacity", defaults=("bfloat16", 0))
 
 
-def shape_of(spec) -> DecodeShape:
-    """A checked `DecodeShape` from a tuple (batch, kv_heads, group, head_dim, slots[, dtype[, capacity]]) or a dict
-    of its fields; ValueError names the first bad field."""
-    s = DecodeShape(**spec) if isinstance(spec, dict) else DecodeShape(*spec)
-    s = s._replace(dtype=jnp.dtype(s.dtype).name)  # raises on an unknown dtype
-    bad = [f"{n}={getattr(s, n)} must be >= 1" for n in ("batch", "kv_heads", "group", "slots") if getattr(s, n) < 1]
-    bad += [f"head_dim={s.head_dim} must be a power of two >= 16"] * (s.head_dim < 16 or s.head_dim & (s.head_dim - 1))
-    bad += [f"capacity={s.capacity} must be 0 or >= slots={s.slots}"] * (0 < s.capacity < s.slots)
-    if bad:
-        raise ValueError(f"{bad[0]} in {s}")
-    return s
-
-
 def time_op(op: str, fn: Callable, s: DecodeShape, read_bw: float, on_device: bool, repeats: int,
             fraction: float = 0.5) -> dict:
     """`fn` timed on `s` by one compiled program of passes of `calls` calls, about `TARGET_S` long at `fraction` of
@@ -107,19 +94,20 @@ def time_op(op: str, fn: Callable, s: DecodeShape, read_bw: float, on_device: bo
 def sweep_decode(shapes: Sequence, seconds: float, *, candidates: Sequence[tuple] | None = None,
                  read_bw: float | None = None, repeats: int = 3, on_result: Callable[[dict], None] | None = None,
                  log: Callable[[str], None] = print) -> dict:
-    """Time `decode_tuning.TABLE` rows of the Triton decode kernel (interpret mode off a GPU) on `shapes` (`shape_of`)
-    for about `seconds` (the (head_dim, group, dtype) groups share it in turn; a timing begun runs to its end), and
-    per group pick the row of least total time over its shapes. Rows, in order: the table's, then `candidates`
-    ((block_size, num_warps, num_stages, programs_per_sm) set in it; default `SWEEP_LAUNCHES` x
-    `SWEEP_PROGRAMS_PER_SM`), each launch timed once per shape with its splits explicit (the kernel's bound is then
-    1 block per split: the same splits where rows fill their capacity). `on_result(result)` after each timing.
+    """Time `decode_tuning.TABLE` rows of the Triton decode kernel (interpret mode off a GPU) on `shapes` (each a
+    `DecodeShape` or its tuple) for about `seconds` (the (head_dim, group, dtype) groups share it in turn; a timing
+    begun runs to its end), and per group pick the row of least total time over its shapes. Rows, in order: the
+    table's, then `candidates` ((block_size, num_warps, num_stages, programs_per_sm) set in it; default
+    `SWEEP_LAUNCHES` x `SWEEP_PROGRAMS_PER_SM`), each launch timed once per shape with its splits explicit (the
+    kernel's bound is then 1 block per split: the same splits where rows fill their capacity). `on_result(result)`
+    after each timing.
     Returns (JSON-able) device_kind, table_kind, jax, interpret, read_bandwidth_gb_s, seconds, stopped (by the
     budget), shapes: [{shape, timings: [{params, ms, gb_per_s, fraction_of_read_bw, copies} or {params, error}],
     table (the table row's timing), best}], groups: [{key, best (a row), best_ms, table_ms (totals), text}] and
     table_text (the rows to paste)."""
     start, interpret, stopped = time.time(), jax.default_backend() != "gpu", False
     kind, device = decode_tuning.current_device_kind(), jax.devices()[0].device_kind
-    sms, shapes = decode_tuning.sm_count(kind), [shape_of(s) for s in shapes]
+    sms, shapes = decode_tuning.sm_count(kind), [DecodeShape(*s) for s in shapes]
     read_bw = read_bw or bandwidth(64 << 20 if interpret else DEVICE_PROBE_BYTES)["read"]
     measured = f"swept on {device}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}"
     members, rows = {}, {}  # per (kind, head_dim, group, dtype): its shapes' indices, the table rows to time
@@ -200,10 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
     on_accel = platform in ("gpu", "tpu")
     p = Parser(prog="kernels.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--batches", type=comma_list(int), default=None, help="default 1,4,16 (CPU: 1,4)")
-    a("--lengths", type=comma_list(int), default=None, help="used slots; default 1024,4096,16384,32768 (CPU: 256,1024)")
-    a("--kv-heads", type=int, default=8)
-    a("--group", type=int, default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
+    a("--batches", type=at_least(1, comma_list(int)), default=None, help="default 1,4,16 (CPU: 1,4)")
+    a("--lengths", type=at_least(1, comma_list(int)), default=None,
+      help="used slots; default 1024,4096,16384,32768 (CPU: 256,1024)")
+    a("--kv-heads", type=at_least(1), default=8)
+    a("--group", type=at_least(1), default=4, help="query heads per kv head (Qwen3-8B: 4, 14B: 5)")
     a("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if on_accel else "float32")
     a("--repeats", type=at_least(3), default=5, help="runs of each program (>= 3): the best counts")
     a("--interpret", action="store_true", help="on CPU: also run both kernel families in interpret mode")
@@ -213,12 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     a("--out", default=None, help="folder for results.json and results.md")
     args = p.parse_args(argv)
     explicit = args.batches is not None or args.lengths is not None
-    try:
-        shapes = [shape_of((b, args.kv_heads, args.group, HEAD_DIM, n, args.dtype))
-                  for b in args.batches or ([1, 4, 16] if on_accel else [1, 4])
-                  for n in args.lengths or ([1024, 4096, 16384, 32768] if on_accel else [256, 1024])]
-    except ValueError as e:
-        p.error(str(e))
+    shapes = [DecodeShape(b, args.kv_heads, args.group, HEAD_DIM, n, args.dtype)
+              for b in args.batches or ([1, 4, 16] if on_accel else [1, 4])
+              for n in args.lengths or ([1024, 4096, 16384, 32768] if on_accel else [256, 1024])]
     if args.sweep_seconds and (platform == "tpu" or platform == "cpu" and not explicit):
         p.error("--sweep-seconds times the Triton kernel: on a GPU, or on CPU with tiny --batches and --lengths")
 
