@@ -42,7 +42,8 @@ def _args(work, out, *extra: str) -> list[str]:
 
 
 def _env(work, devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(ROOT),
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"  # the last count wins
+    return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT),
                 JAX_COMPILATION_CACHE_DIR=str(work["root"] / f"jax_cache_{devices}"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 

@@ -101,3 +101,43 @@ def test_generate_is_loaded_from_the_persistent_compilation_cache():
     assert "/jax/compilation_cache/cache_hits" in events
     assert (first == again).all()
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llvm_level_1_gives_the_numbers_of_level_2(dtype):
+    """The suite compiles with LLVM at -O1 (`conftest`: XLA's HLO passes, which the tests inspect, are the same,
+    and compiling is faster). That holds only while -O1 and XLA's default -O2 compute the same numbers: no
+    fast-math, so both emit the same IEEE operations. Checked here, bit for bit, on the pieces of `generate` that
+    compute in floating point: a prefill, decode steps, an eviction event of a stochastic, a top-k and a
+    leverage-score method, and a decode step on the evicted cache (with `generate`'s CPU options)."""
+    from flax import nnx
+
+    import vase_jax as vj
+    from vase_jax.eviction import framework
+    from vase_jax.generate import decode_step, prefill, query_window
+
+    model = models.peaked(dtype)
+    graphdef, state = nnx.split(model)
+    ids = jax.random.randint(jax.random.key(1), (3, 32), 0, models.VOCAB, jnp.int32)
+
+    def pieces(state, ids, method):
+        ev = vj.EvictionConfig(method, budget=16, buffer=8)
+        m = nnx.merge(graphdef, state)
+        logits, cache = prefill(m, ids, jnp.ones_like(ids), 48, query_window(ev), state=framework.slot_state(ev))
+        out = [logits]
+        for _ in range(4):
+            logits, cache = decode_step(m, cache, jnp.argmax(logits, -1).astype(jnp.int32))
+            out.append(logits)
+        due = jnp.full_like(cache.length, ev.budget + ev.buffer)
+        cache = framework.evict(cache.replace(length=due, seen=due), ev, jax.random.key(2), jnp.arange(3))
+        out.append(decode_step(m, cache, jnp.argmax(logits, -1).astype(jnp.int32))[0])
+        return out, cache
+
+    for method in ("vase_dkv", "snapkv", "curdkv"):
+        results = [jax.jit(pieces, static_argnums=2, compiler_options=dict(
+            CPU_COMPILER_OPTIONS, xla_backend_optimization_level=level))(state, ids, method) for level in (1, 2)]
+        assert (results[0][1].length == 16).all(), method  # the event ran: every row at its budget
+        o1, o2 = (jax.tree.leaves(r) for r in results)
+        assert len(o1) == len(o2) > 6
+        for a, b in zip(o1, o2, strict=True):
+            assert a.dtype == b.dtype and bytes(jax.device_get(a).data) == bytes(jax.device_get(b).data), method

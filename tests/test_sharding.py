@@ -65,7 +65,8 @@ def eviction(method, **kw):
 
 def run_devices(script: str, devices: int = 8, timeout: int = 600) -> dict:
     """Run `script` (which prints one JSON line last) in a fresh Python with `devices` CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=ROOT)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"  # the last count wins
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", MODEL_SETUP + textwrap.dedent(script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
