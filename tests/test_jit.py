@@ -102,7 +102,6 @@ def test_generate_is_loaded_from_the_persistent_compilation_cache():
     assert (first == again).all()
 
 
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llvm_level_1_gives_the_numbers_of_level_2(dtype):
     """The suite compiles with LLVM at -O1 (`conftest`: XLA's HLO passes, which the tests inspect, are the same,
@@ -123,6 +122,7 @@ def test_llvm_level_1_gives_the_numbers_of_level_2(dtype):
     def pieces(state, ids, method):
         ev = vj.EvictionConfig(method, budget=16, buffer=8)
         m = nnx.merge(graphdef, state)
+
         def greedy_step(carry, _):  # a loop, as in `generate`: one step's program, not four
             logits, cache = decode_step(m, carry[1], jnp.argmax(carry[0], -1).astype(jnp.int32))
             return (logits, cache), logits

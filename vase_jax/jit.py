@@ -166,7 +166,6 @@ def sources_digest() -> str:
     return digest.hexdigest()
 
 
-
 def host_cpu() -> dict[str, str | int]:
     """The host CPU as XLA:CPU compiles for it: /proc/cpuinfo's "model name" and instruction-set "flags" (Linux;
     elsewhere what `platform` knows, and no flags) and "cpus", the CPUs this process may use."""
@@ -178,6 +177,7 @@ def host_cpu() -> dict[str, str | int]:
     except OSError:
         pass
     return cpu | {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
 
 def compilation_cache_dir() -> Path:
     """Where the persistent compilation cache lives: $VASE_JAX_COMPILATION_CACHE, else

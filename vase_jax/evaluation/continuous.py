@@ -84,6 +84,5 @@ def batch_rows(model, cfg: EvalConfig, eviction, config, prompt_len: int, sample
                                   prompt_len=prompt_len, dtype=model.dtype, samples=samples)
     if found.rows < 1:
         raise ValueError(f"--batch-size auto: {found.reason}")
-    print(f"--batch-size auto, {eviction.label}: "
-          f"{found.rows} rows ({found.reason})", file=sys.stderr)
+    print(f"--batch-size auto, {eviction.label}: {found.rows} rows ({found.reason})", file=sys.stderr)
     return found.rows
