@@ -33,11 +33,10 @@ from benchmarks.timing import bandwidth, decode_rate, device_desc, load_warning,
 from vase_jax import planner
 from vase_jax.cache import cache_bytes
 from vase_jax.cli import Parser, at_least, checked, comma_list
-from vase_jax.evaluation.config import BF16, kv_name
 from vase_jax.eviction import METHODS, EvictionConfig, framework
 from vase_jax.generate import MIN_PREFILL_CHUNK, generate_target, generate_tiers, query_window
 from vase_jax.jit import enable_compilation_cache, release_programs_near_mapping_limit
-from vase_jax.kvquant import KVBits, token_bytes
+from vase_jax.kvquant import BF16, KVBits, kv_name, token_bytes
 from vase_jax.random_model import named_or_pretrained
 
 PAPER_METHODS = ("full", "snapkv", "rkv", "curdkv", "vase_attnv", "vase_dkv")
@@ -92,8 +91,11 @@ def check_args(args: argparse.Namespace) -> list[EvictionConfig]:
         raise ValueError("--scale applies to --workload aime25")
     if shape:
         scale = scale | {"methods": "vase_dkv,vase_attnv,full", "prompt_len": shape["prompt_len"]}
-    for name, value in (DEFAULTS | scale).items():  # aime25's batch: its scale's, else planned (or --device-gb's)
-        if getattr(args, name) is None and not (name == "batch" and shape and (args.device_gb or "batch" not in scale)):
+    defaults = DEFAULTS | scale
+    if shape and (args.device_gb is not None or "batch" not in scale):
+        del defaults["batch"]  # aime25's batch, unless its scale gives one: the most that fit (the device, --device-gb)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
             setattr(args, name, value)
     if shape and args.prompt_len + 2 > shape["total_tokens"]:
         raise ValueError(f"--prompt-len={args.prompt_len}: a sample holds {shape['total_tokens']} tokens at most")

@@ -29,6 +29,7 @@ from flax import struct
 
 BITS = (16, 8, 4)
 DEFAULT_GROUP = {8: 128, 4: 64}  # channels per scale at each width (a whole 128-wide head at 8 bits)
+BF16 = "K16V16"  # the name of the 16-bit cache (`KVBits().name`), what records and benchmark rows carry
 
 
 def minmax_params(w: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -95,7 +96,7 @@ class KVBits:
     @property
     def name(self) -> str:
         if not self.quantizes:
-            return "K16V16"
+            return BF16
         groups = {self.group("key"), self.group("value")} - {None}
         suffix = f"g{groups.pop()}" if len(groups) == 1 and (self.key_group or self.value_group) else ""
         return f"K{self.key_bits}V{self.value_bits}{suffix}" + ("-hqq" if self.refine else "")
@@ -131,6 +132,15 @@ class KVBits:
             raise ValueError(f"key_bits={self.key_bits} < value_bits={self.value_bits}: keys are never stored in "
                              "fewer bits than values")
         return self
+
+
+def kv_name(text: str) -> str:
+    """The canonical name of a --kv-bits entry ("bf16" -> "K16V16", "k4v4" -> "K4V4"), as records and benchmark
+    rows carry it; ValueError naming the flag."""
+    try:
+        return KVBits.parse(str(text)).validate().name
+    except ValueError as e:
+        raise ValueError(f"--kv-bits: {e}") from None
 
 
 # ---- packing --------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from vase_jax.eviction import METHODS
 from vase_jax.eviction.config import EvictionConfig
 from vase_jax.eviction.triattention import calibrate_command, stats_path
 from vase_jax.generate import MIN_PREFILL_CHUNK, GenerateConfig
-from vase_jax.kvquant import KVBits
+from vase_jax.kvquant import BF16, KVBits, kv_name
 from vase_jax.random_model import RANDOM_MODELS
 from vase_jax.tasks import Problem, Task, get_task, load_problems
 from vase_jax.tasks.livecodebench import packaged_prompts
@@ -39,7 +39,6 @@ FIELD_DEFAULTS = {"compress_prompt": False, "prefill_chunk": None}
 # Result fields of some methods only (TriAttention's statistics): compared when both runs set them, and kept in
 # config.json by a later run that does not (so that a run of other methods can resume the folder).
 METHOD_FIELDS = ("calibration_sha256",)
-BF16 = "K16V16"  # the `kv_bits` of the 16-bit cache (`KVBits().name`)
 FORMAT = 1  # bump when the records' meaning changes
 
 
@@ -138,15 +137,6 @@ class EvalConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def kv_name(text: str) -> str:
-    """The canonical name of a --kv-bits entry ("bf16" -> "K16V16", "k4v4" -> "K4V4"); ValueError naming the flag.
-    The name that records and benchmark rows carry."""
-    try:
-        return KVBits.parse(str(text)).validate().name
-    except ValueError as e:
-        raise ValueError(f"--kv-bits: {e}") from None
 
 
 def _positive(name: str, value, allow_none: bool = False, minimum: int = 1):
