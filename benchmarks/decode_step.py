@@ -11,14 +11,13 @@ decode tokens/s over a run is batch * steps * bandwidth / sum(bytes) = batch * b
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.timing import Stat, time_runs
+from benchmarks.timing import Stat, time_chained
 from vase_jax.cache import KVCache, init_cache, stored
 from vase_jax.config import Qwen3Config
 from vase_jax.eviction import framework
@@ -172,33 +171,17 @@ def evict_full(cache: KVCache, eviction: EvictionConfig, key, row_ids, attention
     return out.replace(pos=cache.pos, length=full, seen=full)
 
 
-def _chained(call: Callable[[KVCache], tuple[KVCache, jax.Array]], cache: KVCache, repeats: int) -> Stat:
-    """Seconds of `repeats` calls of `call` (after an untimed one, which compiles), each on the cache the one before
-    returned (donated: no copy), each ended by its second output."""
-    box = [cache]
-
-    def once():
-        box[0], out = call(box[0])
-        return out
-
-    return time_runs(once, repeats, warmup=1)
-
-
 def step_ms(graphdef, state, cache: KVCache, start, steps: int, repeats: int, attention_impl: str,
             target: Target) -> Stat:
     """Milliseconds per decode step: `repeats` chained calls of `decode_steps` (`steps` steps each)."""
     token = jnp.zeros(cache.length.shape, jnp.int32)
-    return _chained(lambda c: decode_steps(graphdef, state, c, token, start, steps, attention_impl, target), cache,
-                    repeats).map(lambda s: s / steps * 1e3)
+    return time_chained(lambda carry: decode_steps(graphdef, state, *carry, start, steps, attention_impl, target),
+                        (cache, token), repeats).map(lambda s: s / steps * 1e3)
 
 
 def evict_ms(cache: KVCache, eviction: EvictionConfig, repeats: int, attention_impl: str = "auto",
              seed: int = 0) -> Stat:
     """Milliseconds of one eviction event: `repeats` chained calls of `evict_full`."""
     key, rows = jax.random.key(seed), jnp.arange(cache.length.shape[0], dtype=jnp.int32)
-
-    def event(c: KVCache) -> tuple[KVCache, jax.Array]:  # the cache for the next call, and what ends this one
-        out = evict_full(c, eviction, key, rows, attention_impl)
-        return out, out.length
-
-    return _chained(event, cache, repeats).map(lambda s: s * 1e3)
+    return time_chained(lambda c: evict_full(c, eviction, key, rows, attention_impl), cache, repeats).map(
+        lambda s: s * 1e3)

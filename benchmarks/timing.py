@@ -1,7 +1,8 @@
 """The one timing loop, its statistics, the one memory-bandwidth probe, and the machine a figure was taken on.
-Every benchmark times with `time_runs` (several calls in turns: `time_turns`): wall seconds of `fn()` ended by
-`jax.block_until_ready`, after untimed warm-up calls (which compile). A figure is the median of the runs (min and
-max kept); a capacity (bandwidth, a kernel's best launch) is the minimum."""
+Every benchmark times with `time_runs` (several calls in turns: `time_turns`; a call on what the last returned:
+`time_chained`): wall seconds of `fn()` ended by `jax.block_until_ready`, after untimed warm-up calls (which
+compile). A figure is the median of the runs (min and max kept); a capacity (bandwidth, a kernel's best launch) is
+the minimum."""
 
 from __future__ import annotations
 
@@ -64,6 +65,18 @@ def time_turns(fns: list[Callable[[], object]], repeats: int, warmup: int = 0) -
     return [Stat.of(t[warmup:]) for t in times], outputs
 
 
+def time_chained(call: Callable[[object], object], carry: object, repeats: int) -> Stat:
+    """Wall seconds of `repeats` calls of `call` (after an untimed one, which compiles), each on the `carry` the one
+    before returned: a donated buffer (a cache) is then updated in place, never copied or reused."""
+    box = [carry]
+
+    def once():
+        box[0] = call(box[0])
+        return box[0]
+
+    return time_runs(once, repeats, warmup=1)
+
+
 def decode_rate(total: Stat, prefill: Stat, tokens: int) -> Stat | None:
     """tokens / (total - fastest prefill) per run: each run holds one prefill, never (but for noise) faster than the
     fastest one timed alone, so a slow prefill sample on a busy machine does not inflate the rate. None when a run
@@ -83,16 +96,11 @@ def bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
                same bytes: the same memory, another loop; the faster counts)
         copy = 2 * num_bytes / seconds of `x + 1` in place (donated: each run rewrites the same pages), read + write
     """
-    box = [jnp.ones((num_bytes // 4,), jnp.float32)]
-    read = time_runs(lambda: _sum(box[0]), repeats, warmup=1).min
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    read = time_runs(lambda: _sum(x), repeats, warmup=1).min
     if jax.default_backend() == "cpu":
         read = min(read, time_runs(np.ones(num_bytes // 4, np.float32).sum, repeats, warmup=1).min)
-
-    def add_one():
-        box[0] = _add_one(box[0])
-        return box[0]
-
-    return {"read": num_bytes / read, "copy": 2 * num_bytes / time_runs(add_one, repeats, warmup=1).min}
+    return {"read": num_bytes / read, "copy": 2 * num_bytes / time_chained(_add_one, x, repeats).min}
 
 
 def load_warning(load: float) -> str | None:
