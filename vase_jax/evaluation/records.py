@@ -21,17 +21,18 @@ import jax
 import numpy as np
 
 from vase_jax.evaluation.config import EvalConfig
+from vase_jax.kvquant import BF16
 from vase_jax.tasks import Problem, extract_answer, get_task, grade, livecodebench
 
 KEY_FIELDS = ("problem_id", "sample", "method", "budget")  # and "kv_bits" (absent in older records)
-# (problem id, sample index, method, budget or None for full, cache setting: "K16V16" for the 16-bit cache)
+# (problem id, sample index, method, budget or None for full, cache setting: `BF16`, "K16V16", for the 16-bit cache)
 Key = tuple[str, int, str, int | None, str]
 
 
 def record_key(rec: dict) -> Key:
     """A record's key; records written before cache settings existed are the 16-bit cache's."""
     return (str(rec["problem_id"]), int(rec["sample"]), str(rec["method"]), rec["budget"],
-            str(rec.get("kv_bits", "K16V16")))
+            str(rec.get("kv_bits", BF16)))
 
 
 def _warn(msg: str) -> None:
@@ -132,7 +133,7 @@ def problem_key(seed: int, task: str, problem_id: str) -> jax.Array:
 
 def make_record(tokenizer, cfg: EvalConfig, problem: Problem, sample: int, method: str, budget: int | None,
                 prompt_len: int, tokens: np.ndarray, ended_by_token: bool, evictions: int, seconds: float,
-                kv_bits: str = "K16V16") -> dict:
+                kv_bits: str = BF16) -> dict:
     """Cut a sample's tokens at its exact cap, grade them: its record (the same under every scheduler)."""
     task = get_task(cfg.task)
     cap = cfg.token_limits(prompt_len)[1]

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from vase_jax.evaluation.config import EvalConfig
 from vase_jax.evaluation.records import Key, RecordStore
+from vase_jax.kvquant import BF16
 from vase_jax.tasks import pass_at_1
 
 
 def method_label(method: str, kv_bits: str) -> str:
     """A summary row's method column: the method, with its cache setting when it is not the 16-bit cache."""
-    return method if kv_bits == "K16V16" else f"{method} {kv_bits}"
+    return method if kv_bits == BF16 else f"{method} {kv_bits}"
 
 
 def summarize(cfg: EvalConfig, store: RecordStore, wanted: list[Key]) -> dict:
@@ -60,7 +61,7 @@ def summarize(cfg: EvalConfig, store: RecordStore, wanted: list[Key]) -> dict:
 
 
 def _label(row: dict) -> str:
-    return method_label(row["method"], row.get("kv_bits", "K16V16"))
+    return method_label(row["method"], row.get("kv_bits", BF16))
 
 
 def _pct(x: float | None) -> str:

@@ -32,6 +32,7 @@ from vase_jax import distributed
 from vase_jax.evaluation.config import RANDOM_MODELS, RANDOM_PREFIX, EvalConfig
 from vase_jax.evaluation.continuous import run_continuous
 from vase_jax.evaluation.records import Key, RecordStore, make_record, problem_key, record_key
+from vase_jax.kvquant import BF16
 from vase_jax.random_model import HEAD_SCALE, random_model
 from vase_jax.sharding import shard_model
 from vase_jax.tasks import Problem, get_task
@@ -75,7 +76,7 @@ class Chunk:
     method: str
     budget: int | None
     samples: tuple[int, ...]  # sample indices of this call's rows (without padding)
-    kv_bits: str = "K16V16"  # the cache setting (`EvalConfig.kv_bits`)
+    kv_bits: str = BF16  # the cache setting (`EvalConfig.kv_bits`)
 
 
 def plan(cfg: EvalConfig, problems: list[Problem]) -> list[Chunk]:
