@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.report import num, table, write_results
-from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, time_runs
+from benchmarks.timing import DEVICE_PROBE_BYTES, bandwidth, device_desc, time_runs
 from pallas_kernels import decode_tuning, get_decode_attention
 from pallas_kernels.decode_tuning import DecodeParams, DecodeTuning
 from vase_jax.cli import Parser, at_least, comma_list
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     bw = bandwidth(args.copy_mib << 20, args.repeats)
     read_bw, copy_bw = bw["read"], bw["copy"]
-    print(f"device: {jax.devices()[0].device_kind} ({platform}), jax {jax.__version__}; bandwidth over "
+    print(f"device: {device_desc()}, jax {jax.__version__}; bandwidth over "
           f"{args.copy_mib} MiB: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s", flush=True)
     if args.sweep_seconds:
         result = sweep_decode(shapes if explicit else SWEEP_SHAPES, start + args.sweep_seconds - time.time(),
