@@ -7,6 +7,6 @@
 
 Shared by every mode: `timing` (the one timing loop and the one bandwidth probe), `decode_step` (a decode step and
 an eviction event timed alone on filled caches, and the bytes a step reads), `workload` (the AIME25 protocol
-measured in windows and projected) and `report` (number formats, tables, JSON files). Named model shapes
-are the library's (`vase_jax.random_model.named_configs`).
+measured in windows and projected) and `report` (number formats, the names of a row, tables, JSON files). Named
+model shapes are the library's (`vase_jax.random_model.named_configs`).
 """

@@ -28,7 +28,7 @@ from flax import nnx
 import vase_jax as vj
 from benchmarks import decode_step as ds
 from benchmarks import workload as wl
-from benchmarks.report import num, spread, table, write_results
+from benchmarks.report import names, num, spread, table, write_results
 from benchmarks.timing import bandwidth, decode_rate, device_desc, load_warning, machine, time_turns
 from vase_jax import planner
 from vase_jax.cache import cache_bytes
@@ -140,8 +140,7 @@ def row(ev: EvictionConfig, n: int, kv_bits: str = BF16, protected: int | None =
     """What names a decode-mode row: its label ("full", "vase_dkv@2048", on a mixed-precision cache "full K4V4
     P=544"), method, budget, buffer, output length, cache setting and its 16-bit slots P."""
     setting = "" if kv_bits == BF16 else f" {kv_bits} P={protected}"
-    return {"label": ev.label + setting, "method": ev.method, "budget": ev.budget if ev.evicts else None,
-            "buffer": ev.buffer if ev.evicts else None, "output_len": n, "kv_bits": kv_bits, "protected": protected}
+    return names(ev) | {"label": ev.label + setting, "output_len": n, "kv_bits": kv_bits, "protected": protected}
 
 
 # ---- measurements ------------------------------------------------------------------------------------------

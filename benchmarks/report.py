@@ -1,4 +1,4 @@
-"""How the benchmarks write their figures: numbers, markdown tables, JSON files."""
+"""How the benchmarks write their figures: numbers, the names of a method's row, markdown tables, JSON files."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ def num(x: float | None, spec: str = ".1f", scale: float = 1.0, suffix: str = ""
 def spread(stat: dict | None, scale: float = 1.0, spec: str = ".1f") -> str:
     """A `timing.Stat` dict as "median [min-max]" (times `scale`); "-" for None."""
     return "-" if stat is None else "{} [{}-{}]".format(*(num(stat[k], spec, scale) for k in ("median", "min", "max")))
+
+
+def names(ev) -> dict:
+    """What names a method's row (an `EvictionConfig`'s): its label ("full", "vase_dkv@2048"), method, and budget and
+    buffer (None for full)."""
+    return {"label": ev.label, "method": ev.method, "budget": ev.budget if ev.evicts else None,
+            "buffer": ev.buffer if ev.evicts else None}
 
 
 def table(rows, columns: dict[str, Callable[[dict], object]]) -> list[str]:

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.decode_step import row_replay
+from benchmarks.report import names
 from benchmarks.timing import Stat
 from vase_jax import batching, planner
 from vase_jax.eviction.config import EvictionConfig
@@ -266,9 +267,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, shape: dict 
     out, common = {"meta": meta, "methods": []}, dict(target=device, config=config, prompt_len=prompt_len,
                                                       dtype=model.dtype, queue=queue)
     for ev in methods:
-        label = ev.label
-        rec: dict = {"label": label, "method": ev.method, "budget": ev.budget if ev.evicts else None,
-                     "buffer": ev.buffer if ev.evicts else None}
+        rec = names(ev)
         start = time.perf_counter()
         if batch is None:
             found = planner.largest_batch(model.cfg, ev, device_bytes=device_bytes, headroom=headroom,
@@ -280,7 +279,7 @@ def aime25_workload(model: Qwen3, methods: list[EvictionConfig], *, shape: dict 
             plan = planner.plan_engine(model.cfg, rows, ev, compile_program=False, **common)
             rec["rows_reason"] = f"given: {rows} rows"
         rec |= {"rows": rows, "plan_s": time.perf_counter() - start, "plan": None if plan is None else plan.as_dict()}
-        log(f"{label}: {rows} rows ({rec['rows_reason']})")
+        log(f"{ev.label}: {rows} rows ({rec['rows_reason']})")
         if rows > 0:
             q = batching.queue_for(rows, queue, row_rule(model, config, Target.make(platform_of(device))))  # as `run`
             start = time.perf_counter()
